@@ -1,0 +1,74 @@
+"""Speech start / pause / end-of-turn decisions from VAD probabilities (pure, no I/O).
+
+Hysteresis: speech starts after `min_speech` samples of windows at or above `threshold`, and
+continues while P(speech) stays at or above `off_threshold`. The first quiet window is a *pause*
+(the user may go on); `end_silence` samples of quiet end the turn; speech during a pause *resumes*
+the same turn. Positions are sample indices of the 16 kHz input stream, so decisions depend only on
+the audio, never on when it arrived.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A decision: kind is 'start', 'pause', 'resume' or 'end'; sample is where it happened."""
+
+    kind: str
+    sample: int
+
+
+@dataclass
+class Endpointer:
+    threshold: float
+    off_threshold: float
+    min_speech: int  # samples
+    end_silence: int  # samples
+    in_speech: bool = False
+    paused: bool = False
+    run: int = 0  # samples of consecutive loud windows (not in speech) or quiet ones (paused)
+    start_sample: int = 0
+    pause_sample: int = 0
+    speech_samples: int = 0  # loud samples since the segment started
+
+    def feed(self, window_end: int, prob: float, window: int) -> list[Edge]:
+        """Consume one VAD window (ending at `window_end`); return the decisions it causes."""
+        edges: list[Edge] = []
+        if not self.in_speech:
+            if prob >= self.threshold:
+                self.run += window
+                if self.run >= self.min_speech:
+                    self.in_speech, self.paused = True, False
+                    self.start_sample = window_end - self.run
+                    self.speech_samples = self.run
+                    self.run = 0
+                    edges.append(Edge("start", self.start_sample))
+            else:
+                self.run = 0
+            return edges
+        loud = prob >= (self.threshold if self.paused else self.off_threshold)
+        if loud:
+            self.speech_samples += window
+            if self.paused:
+                self.paused, self.run = False, 0
+                edges.append(Edge("resume", window_end - window))
+            return edges
+        if not self.paused:
+            self.paused, self.run = True, 0
+            self.pause_sample = window_end - window
+            edges.append(Edge("pause", self.pause_sample))
+        self.run += window
+        if self.run >= self.end_silence:
+            self.in_speech, self.paused, self.run = False, False, 0
+            edges.append(Edge("end", self.pause_sample))
+        return edges
+
+    def force_end(self) -> list[Edge]:
+        """The input ended (client said so): close an open segment now."""
+        if not self.in_speech:
+            return []
+        end = self.pause_sample if self.paused else self.start_sample + self.speech_samples
+        self.in_speech, self.paused, self.run = False, False, 0
+        return [Edge("end", end)]

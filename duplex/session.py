@@ -1,0 +1,652 @@
+"""The session core: one conversation as a state machine, with no I/O and an injected clock.
+
+Inputs: `receive_audio` (16 kHz float32 frames), `receive_control` (client events),
+`on_result` / `on_failure` (a stage job finished), `tick` (time passed).
+Outputs: `take_jobs()` (stage steps for the device executor), `take_outputs()` (typed events and
+PCM16 audio frames for the transport), `next_wakeup()` (when to call `tick` next).
+
+The core is the single owner of turn state. Every stage's per-session state lives here and is
+lent to at most one in-flight job per stage; a job always hands the state back, even when its
+output is stale (the response it served was interrupted), so caches are never lost.
+
+Turn flow: VAD windows -> Endpointer edges. At the first pause the open segment is transcribed
+speculatively and the LLM starts on that transcript while the end-of-turn hangover runs; if the
+user goes on, the speculation is dropped (the LLM cache is rolled back on the next step). When
+the hangover ends the response is committed: its held text and audio are released, and audio
+is paced by the playout clock. Speech during a response interrupts it; the history keeps only
+the words the listener heard.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from duplex.config import Profile, SessionOptions
+from duplex.endpointing import Edge, Endpointer
+from duplex.events import (
+    CLIENT_INPUT_END,
+    CLIENT_PLAYOUT,
+    CLIENT_RESPONSE_CANCEL,
+    CLIENT_SESSION_UPDATE,
+    ErrorEvent,
+    Interrupted,
+    ResponseAudioStarted,
+    ResponseDone,
+    ResponseStarted,
+    ResponseTextDelta,
+    ServerEvent,
+    SessionUpdated,
+    SpeechStarted,
+    SpeechStopped,
+    TranscriptFinal,
+    TranscriptPartial,
+    TurnLatency,
+)
+from duplex.executor import Job
+from duplex.playout import Playout
+from duplex.stage import StreamingStage
+
+log = logging.getLogger("duplex.session")
+
+SR = 16000  # every stage runs on 16 kHz input
+FRAME_SECONDS = 0.04  # output audio frame length
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The stage objects a session uses (shared by all sessions; state lives in the core)."""
+
+    vad: StreamingStage[Any, Any, Any]
+    asr: StreamingStage[Any, Any, Any]
+    llm: StreamingStage[Any, Any, Any]
+    tts: StreamingStage[Any, Any, Any]
+    # constructors of stage inputs, so the core does not import model packages
+    asr_chunk: Callable[[np.ndarray, bool, bool], Any]
+    llm_step: Callable[[list[dict[str, str]] | None, int], Any]
+    tts_input: Callable[[str, bool], Any]
+
+
+@dataclass
+class Response:
+    rid: int
+    turn_id: int
+    user_text: str
+    committed: bool = False
+    text: str = ""
+    llm_started: bool = False
+    llm_done: bool = False
+    tts_pending: str = ""  # text deltas not yet given to the TTS
+    tts_final_sent: bool = False
+    tts_done: bool = False
+    tts_state: Any = None
+    held_text: list[str] = field(default_factory=list)  # deltas produced while speculative
+    held_audio: list[Any] = field(default_factory=list)  # TTS chunks produced while speculative
+    audio_started: bool = False
+    marks: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Segment:
+    """The user's open speech segment (one user turn, possibly with pauses)."""
+
+    sid: int
+    turn_id: int
+    start_sample: int
+    asr_state: Any
+    pending: list[np.ndarray] = field(default_factory=list)  # audio not yet lent to the ASR
+    fed_samples: int = 0  # samples handed to the ASR so far
+    total_samples: int = 0  # samples in the segment so far
+    last_transcribed: int = 0  # total_samples at the last transcription request
+    partial_text: str = ""
+    spec_final: str | None = None  # latest full transcript of the segment
+    spec_at: int = -1  # total_samples that transcript covers
+    spec_ready: float = 0.0  # when it arrived
+    pause_at: int = 0  # total_samples at the current pause (speech end so far)
+    ended: bool = False
+    last_partial_cost: float = 0.0
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def spec_valid(self) -> bool:
+        """The latest transcript covers all audio up to where the speech stopped."""
+        return self.spec_final is not None and self.spec_at >= self.pause_at
+
+
+class SessionCore:
+    """One conversation. Drive it with audio, control events, job results and ticks."""
+
+    def __init__(
+        self,
+        session_id: str,
+        profile: Profile,
+        stages: Stages,
+        clock: Callable[[], float],
+        options: SessionOptions | None = None,
+    ) -> None:
+        self.session_id = session_id
+        self.profile = profile
+        self.options = options or profile.session
+        self.stages = stages
+        self.clock = clock
+        self.budgets = {
+            "vad": profile.component("vad").budget("step", 30),
+            "asr.partial": profile.component("asr").budget("partial", 400),
+            "asr.final": profile.component("asr").budget("final", 600),
+            "llm.first": profile.component("llm").budget("first", 900),
+            "llm.step": profile.component("llm").budget("step", 400),
+            "tts": profile.component("tts").budget("chunk", 250),
+        }
+        llm_opts = profile.component("llm").options
+        self.first_step_tokens = int(llm_opts.get("first_step_tokens", 4))
+        self.step_tokens = int(llm_opts.get("step_tokens", 4))
+        self.out_sr = self.options.output_sample_rate
+        self.playout = Playout(self.out_sr, self.options.playout_lead_ms / 1000.0, int(self.out_sr * FRAME_SECONDS))
+        self.endpointer = self._new_endpointer()
+        self.history: list[dict[str, str]] = []
+        self.turn_id = 0
+        self._rids = itertools.count(1)
+        self._sids = itertools.count(1)
+        self._jobs: list[Job] = []
+        self._outputs: list[ServerEvent | bytes] = []
+        # stage state, lent to at most one job per stage at a time
+        self._vad_state: Any = stages.vad.init_state()
+        self._vad_pending: list[np.ndarray] = []
+        self._llm_state: Any = stages.llm.init_state()
+        self._busy: dict[str, Any] = {}  # stage -> tag of the in-flight job
+        # input audio timeline
+        self.samples_in = 0
+        self._arrivals: list[tuple[int, float]] = []  # (sample index at end of a frame, arrival time)
+        self._recent = np.zeros(0, dtype=np.float32)  # last few seconds of input, for pre-roll
+        self._recent_base = 0  # sample index of _recent[0]
+        self.segment: Segment | None = None
+        self.response: Response | None = None
+        self._finished_response: Response | None = None  # still playing out after completion
+        self.closed = False
+
+    # -- inputs --------------------------------------------------------------------------
+
+    def receive_audio(self, samples: np.ndarray) -> None:
+        """A frame of user audio at 16 kHz (float32, any length), arriving now."""
+        x = np.asarray(samples, dtype=np.float32).reshape(-1)
+        if x.size == 0:
+            return
+        now = self.clock()
+        self.samples_in += x.size
+        self._arrivals.append((self.samples_in, now))
+        if len(self._arrivals) > 4000:
+            del self._arrivals[:2000]
+        keep = int(SR * 3)
+        self._recent = np.concatenate([self._recent, x])[-keep:]
+        self._recent_base = self.samples_in - self._recent.size
+        if self.segment is not None and not self.segment.ended:
+            self.segment.pending.append(x)
+            self.segment.total_samples += x.size
+        self._vad_pending.append(x)
+        self._submit_vad()
+        self._maybe_partial()
+
+    def receive_control(self, event: dict[str, Any]) -> None:
+        """A client control event (already JSON-decoded and validated for type)."""
+        kind = event.get("type")
+        if kind == CLIENT_RESPONSE_CANCEL:
+            if self.response is not None and self.response.committed:
+                self._interrupt(status="cancelled")
+        elif kind == CLIENT_SESSION_UPDATE:
+            self.update_options(event.get("options") or {})
+        elif kind == CLIENT_INPUT_END:
+            for edge in self.endpointer.force_end():
+                self._on_edge(edge)
+        elif kind == CLIENT_PLAYOUT:
+            pass  # the server-side playout clock is authoritative; reports are accepted for compatibility
+        else:
+            self._error("unknown_event", f"unknown event type {kind!r}")
+
+    def update_options(self, overrides: dict[str, Any]) -> None:
+        from duplex.config import ConfigError
+
+        try:
+            self.options = self.options.with_overrides(overrides)
+        except ConfigError as exc:
+            self._error("bad_option", str(exc))
+            return
+        self.endpointer.threshold = self.options.vad_threshold
+        self.endpointer.end_silence = int(SR * self.options.end_of_turn_silence_ms / 1000)
+        self._emit(SessionUpdated, options={k: getattr(self.options, k) for k in SessionOptions.CLIENT_SETTABLE})
+
+    def tick(self) -> None:
+        """Time passed: release due audio frames, finish responses that have played out."""
+        now = self.clock()
+        frames = self.playout.due_frames(now)
+        if frames:
+            resp = self.response
+            if resp is not None and not resp.audio_started:
+                resp.audio_started = True
+                resp.marks["first_audio"] = now
+                self._emit(ResponseAudioStarted, turn_id=resp.turn_id)
+                self._emit_latency(resp)
+            for frame in frames:
+                self._outputs.append(_pcm16(frame))
+        self._maybe_complete()
+
+    def next_wakeup(self) -> float | None:
+        return self.playout.next_due()
+
+    def on_result(self, job: Job, out: Any, state: Any) -> None:
+        """A job finished: take the stage state back, then use the output if still current."""
+        self._busy.pop(job.stage, None)
+        if self.closed:
+            return
+        handler = {"vad": self._on_vad, "asr": self._on_asr, "llm": self._on_llm, "tts": self._on_tts}[job.stage]
+        handler(job, out, state)
+        self._maybe_complete()
+
+    def on_failure(self, job: Job, exc: BaseException) -> None:
+        """A job raised: report it, reset that stage's state, keep the session alive."""
+        self._busy.pop(job.stage, None)
+        log.error("session %s: %s job failed: %s", self.session_id, job.label, exc)
+        self._error("stage_failed", f"{job.label} failed: {exc}")
+        if job.stage == "vad":
+            self._vad_state = self.stages.vad.init_state()
+            self._submit_vad()
+        elif job.stage == "asr":
+            if self.segment is not None and job.tag[0] == self.segment.sid:
+                self.segment.asr_state = self.stages.asr.init_state()
+                self.segment.fed_samples = 0
+        elif job.stage == "llm":
+            self._llm_state = self.stages.llm.init_state()
+            if self.response is not None:
+                self._finish_response("failed")
+        elif job.stage == "tts" and self.response is not None:
+            self._finish_response("failed")
+
+    def close(self) -> None:
+        """The transport went away: drop everything; in-flight results will be ignored."""
+        self.closed = True
+        self.response = None
+        self.playout.reset()
+
+    # -- outputs -------------------------------------------------------------------------
+
+    def take_jobs(self) -> list[Job]:
+        jobs, self._jobs = self._jobs, []
+        return jobs
+
+    def take_outputs(self) -> list[ServerEvent | bytes]:
+        out, self._outputs = self._outputs, []
+        return out
+
+    # -- VAD and endpointing -------------------------------------------------------------
+
+    def _new_endpointer(self) -> Endpointer:
+        o = self.options
+        return Endpointer(
+            threshold=o.vad_threshold,
+            off_threshold=o.vad_off_threshold,
+            min_speech=int(SR * o.min_speech_ms / 1000),
+            end_silence=int(SR * o.end_of_turn_silence_ms / 1000),
+        )
+
+    def _submit_vad(self) -> None:
+        if "vad" in self._busy or not self._vad_pending or self.closed:
+            return
+        chunk = np.concatenate(self._vad_pending)
+        self._vad_pending = []
+        self._submit("vad", "vad", self._vad_state, chunk, self.budgets["vad"], tag=None)
+
+    def _on_vad(self, job: Job, out: Any, state: Any) -> None:
+        self._vad_state = state
+        window = 512
+        for window_end, prob in out:
+            for edge in self.endpointer.feed(int(window_end), float(prob), window):
+                self._on_edge(edge)
+            if self.endpointer.in_speech and not self.endpointer.paused:
+                self._check_barge_in()
+        self._submit_vad()
+
+    def _on_edge(self, edge: Edge) -> None:
+        if edge.kind == "start":
+            self._start_segment(edge.sample)
+        elif edge.kind == "pause":
+            if self.segment is not None:
+                self.segment.pause_at = edge.sample - self.segment.start_sample
+            self._speculate()
+        elif edge.kind == "resume":
+            self._drop_speculation()
+        elif edge.kind == "end":
+            self._end_segment(edge.sample)
+
+    def _check_barge_in(self) -> None:
+        resp = self.response
+        if resp is None or not resp.committed:
+            resp = None
+        finished = self._finished_response if self.playout.playing(self.clock()) else None
+        if resp is None and finished is None:
+            return
+        if self.endpointer.speech_samples < SR * self.options.barge_in_min_speech_ms / 1000:
+            return
+        self._interrupt(status="interrupted")
+
+    # -- user segment and ASR ------------------------------------------------------------
+
+    def _start_segment(self, start_sample: int) -> None:
+        self.turn_id += 1
+        if self.response is not None and not self.response.committed:
+            self.response = None  # a speculation from before; the user is talking again
+        first = max(start_sample - int(SR * self.options.pre_roll_ms / 1000), self._recent_base)
+        audio = self._recent[first - self._recent_base :].copy()
+        seg = Segment(
+            sid=next(self._sids), turn_id=self.turn_id, start_sample=first, asr_state=self.stages.asr.init_state()
+        )
+        seg.pending.append(audio)
+        seg.total_samples = audio.size
+        self.segment = seg
+        self._emit(SpeechStarted, audio_ms=int(1000 * start_sample / SR))
+
+    def _maybe_partial(self) -> None:
+        seg = self.segment
+        if seg is None or seg.ended or "asr" in self._busy or self.endpointer.paused:
+            return
+        interval = max(self.options.partial_interval_ms / 1000, 2.0 * seg.last_partial_cost)
+        if seg.total_samples - seg.last_transcribed >= SR * interval:
+            self._submit_asr(seg, final=False)
+
+    def _submit_asr(self, seg: Segment, final: bool) -> None:
+        chunk = np.concatenate(seg.pending) if seg.pending else np.zeros(0, dtype=np.float32)
+        seg.pending = []
+        seg.fed_samples += chunk.size
+        seg.last_transcribed = seg.total_samples
+        label = "asr.final" if final else "asr.partial"
+        self._submit(
+            "asr",
+            label,
+            seg.asr_state,
+            self.stages.asr_chunk(chunk, True, final),
+            self.budgets[label],
+            tag=(seg.sid, final, seg.total_samples),
+        )
+
+    def _speculate(self) -> None:
+        """The user paused: transcribe now so the answer can start before the hangover ends."""
+        seg = self.segment
+        if seg is None or seg.ended:
+            return
+        if "asr" in self._busy:
+            return  # _on_asr asks again when the partial in flight returns
+        self._submit_asr(seg, final=True)
+
+    def _drop_speculation(self) -> None:
+        if self.response is not None and not self.response.committed:
+            self.response = None
+
+    def _on_asr(self, job: Job, out: Any, state: Any) -> None:
+        seg_id, final, covered = job.tag
+        seg = self.segment
+        if seg is None or seg.sid != seg_id:
+            self._maybe_partial()  # stale: the segment was answered already
+            return
+        seg.asr_state = state
+        text = str(getattr(out, "text", "") or "").strip() if out is not None else ""
+        if final:
+            seg.spec_final, seg.spec_at, seg.spec_ready = text, covered, self.clock()
+        else:
+            seg.last_partial_cost = float(getattr(out, "compute_seconds", 0.0) or 0.0)
+            if text and text != seg.partial_text and not seg.ended:
+                seg.partial_text = text
+                self._emit(TranscriptPartial, turn_id=seg.turn_id, text=text)
+        if seg.ended:
+            if seg.spec_valid():
+                self._commit_turn(seg)
+            else:
+                self._submit_asr(seg, final=True)
+        elif self.endpointer.paused:
+            if not seg.spec_valid():
+                self._submit_asr(seg, final=True)
+            elif self.response is None and seg.spec_final:
+                self._start_response(seg.turn_id, seg.spec_final, committed=False)
+        else:
+            self._maybe_partial()
+
+    def _end_segment(self, end_sample: int) -> None:
+        seg = self.segment
+        if seg is None:
+            return
+        seg.ended = True
+        seg.pause_at = end_sample - seg.start_sample
+        seg.marks = {"speech_end": self._arrival_time(end_sample), "end_of_turn": self.clock()}
+        self._emit(SpeechStopped, turn_id=seg.turn_id, audio_ms=int(1000 * end_sample / SR))
+        if seg.spec_valid():
+            self._commit_turn(seg)
+        elif "asr" not in self._busy:
+            self._submit_asr(seg, final=True)
+        # else: _on_asr submits the final transcription when the job in flight returns
+
+    def _commit_turn(self, seg: Segment) -> None:
+        text = (seg.spec_final or "").strip()
+        self.segment = None
+        marks = dict(seg.marks)
+        marks["final_transcript"] = seg.spec_ready
+        self._emit(TranscriptFinal, turn_id=seg.turn_id, text=text)
+        resp = self.response
+        if not text:
+            if resp is not None and not resp.committed:
+                self.response = None
+            return  # noise, a cough: nothing to answer
+        if resp is None or resp.committed or resp.user_text != text or resp.turn_id != seg.turn_id:
+            resp = self._start_response(seg.turn_id, text, committed=False)
+        resp.marks.update(marks)
+        self._commit_response(resp)
+
+    # -- response: LLM -> TTS -> playout -------------------------------------------------
+
+    def _start_response(self, turn_id: int, user_text: str, committed: bool) -> Response:
+        if self.response is not None and self.response.committed:
+            self._interrupt(status="interrupted")  # a new turn never silently drops the old one
+        resp = Response(rid=next(self._rids), turn_id=turn_id, user_text=user_text, committed=committed)
+        resp.tts_state = self.stages.tts.init_state()
+        self.response = resp
+        self._submit_llm()
+        return resp
+
+    def _commit_response(self, resp: Response) -> None:
+        resp.committed = True
+        self._remember_user(resp.user_text)
+        self._finished_response = None
+        self.playout.reset()
+        self._emit(ResponseStarted, turn_id=resp.turn_id)
+        for delta in resp.held_text:
+            self._emit(ResponseTextDelta, turn_id=resp.turn_id, delta=delta)
+        resp.held_text.clear()
+        for chunk in resp.held_audio:
+            self.playout.enqueue(self.clock(), chunk.audio, chunk.text)
+        resp.held_audio.clear()
+        self._submit_llm()
+        self._submit_tts()
+        self.tick()
+
+    def _messages_for(self, resp: Response) -> list[dict[str, str]]:
+        msgs = list(self.history)
+        if not resp.committed:
+            msgs.append({"role": "user", "content": resp.user_text})
+        return msgs
+
+    def _submit_llm(self) -> None:
+        resp = self.response
+        if resp is None or resp.llm_done or "llm" in self._busy or self.closed:
+            return
+        if resp.llm_started and not resp.committed:
+            return  # while speculative, stop after the first step: the user may go on
+        if not resp.llm_started:
+            step = self.stages.llm_step(self._messages_for(resp), self.first_step_tokens)
+            label = "llm.first"
+        else:
+            step = self.stages.llm_step(None, self.step_tokens)
+            label = "llm.step"
+        resp.llm_started = True
+        self._submit("llm", label, self._llm_state, step, self.budgets[label], tag=resp.rid)
+
+    def _on_llm(self, job: Job, out: Any, state: Any) -> None:
+        self._llm_state = state
+        resp = self.response
+        if resp is None or resp.rid != job.tag:
+            self._submit_llm()  # stale: a newer response may be waiting for the LLM
+            return
+        delta = str(getattr(out, "text", "") or "")
+        if delta:
+            resp.marks.setdefault("first_llm_token", self.clock())
+            resp.text += delta
+            resp.tts_pending += delta
+            if resp.committed:
+                self._emit(ResponseTextDelta, turn_id=resp.turn_id, delta=delta)
+            else:
+                resp.held_text.append(delta)
+        if bool(getattr(out, "done", False)):
+            resp.llm_done = True
+        self._submit_llm()
+        self._submit_tts()
+
+    def _submit_tts(self) -> None:
+        resp = self.response
+        if resp is None or "tts" in self._busy or resp.tts_final_sent or self.closed:
+            return
+        final = resp.llm_done
+        if not resp.tts_pending and not final:
+            return
+        text, resp.tts_pending = resp.tts_pending, ""
+        resp.tts_final_sent = final
+        self._submit("tts", "tts", resp.tts_state, self.stages.tts_input(text, final), self.budgets["tts"], tag=(resp.rid, final))
+
+    def _on_tts(self, job: Job, out: Any, state: Any) -> None:
+        rid, final = job.tag
+        resp = self.response
+        if resp is None or resp.rid != rid:
+            self._submit_tts()  # stale: a newer response may be waiting for the TTS
+            return
+        resp.tts_state = state
+        now = self.clock()
+        for chunk in out or []:
+            if len(chunk.audio) == 0:
+                continue
+            resp.marks.setdefault("first_tts_chunk", now)
+            if resp.committed:
+                self.playout.enqueue(now, chunk.audio, chunk.text)
+            else:
+                resp.held_audio.append(chunk)
+        if final:
+            resp.tts_done = True
+        self._submit_tts()
+        if resp.committed:
+            self.tick()
+
+    def _maybe_complete(self) -> None:
+        resp = self.response
+        if resp is None or not resp.committed or not (resp.llm_done and resp.tts_done):
+            return
+        if self.playout.pending():
+            return
+        self._finish_response("completed")
+
+    def _finish_response(self, status: str) -> None:
+        resp = self.response
+        if resp is None:
+            return
+        self.response = None
+        text = resp.text.strip()
+        if resp.committed:
+            if text and status == "completed":
+                self.history.append({"role": "assistant", "content": text})
+                self._trim_history()
+            self._finished_response = resp if status == "completed" else None
+            self._emit(
+                ResponseDone, turn_id=resp.turn_id, status=status, text=text,
+                played_text=text if status == "completed" else "",
+            )
+            if not resp.audio_started:
+                self._emit_latency(resp)
+
+    def _interrupt(self, status: str) -> None:
+        """Barge-in or cancel: stop audio now, keep only the words that were heard."""
+        now = self.clock()
+        resp = self.response if self.response is not None and self.response.committed else None
+        target = resp or self._finished_response
+        if target is None:
+            return
+        played_s, played_text = self.playout.played(now)
+        self.playout.reset()
+        self._emit(Interrupted, turn_id=target.turn_id, played_ms=int(1000 * played_s), played_text=played_text)
+        if resp is not None:
+            self.response = None
+            self._emit(ResponseDone, turn_id=resp.turn_id, status=status, text=resp.text.strip(), played_text=played_text)
+            if played_text:
+                self.history.append({"role": "assistant", "content": played_text})
+        else:
+            # the response had finished generating but was still playing: truncate its history entry
+            if self.history and self.history[-1]["role"] == "assistant":
+                if played_text:
+                    self.history[-1] = {"role": "assistant", "content": played_text}
+                else:
+                    self.history.pop()
+        self._finished_response = None
+        self._trim_history()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _remember_user(self, text: str) -> None:
+        self.history.append({"role": "user", "content": text})
+        self._trim_history()
+
+    def _trim_history(self) -> None:
+        limit = 2 * self.options.max_history_turns
+        if len(self.history) > limit:
+            del self.history[: len(self.history) - limit]
+            while self.history and self.history[0]["role"] != "user":
+                del self.history[0]
+
+    def _submit(self, stage: str, label: str, state: Any, chunk: Any, budget: float, tag: Any) -> None:
+        now = self.clock()
+        self._busy[stage] = tag
+        self._jobs.append(
+            Job(
+                stage=stage,
+                label=label,
+                session_id=self.session_id,
+                turn_id=self.turn_id,
+                state=state,
+                chunk=chunk,
+                deadline=now + budget,
+                tag=tag,
+            )
+        )
+
+    def _emit(self, cls: type[ServerEvent], turn_id: int | None = None, **fields: Any) -> None:
+        self._outputs.append(
+            cls(session_id=self.session_id, turn_id=self.turn_id if turn_id is None else turn_id, t=self.clock(), **fields)
+        )
+
+    def _error(self, code: str, message: str) -> None:
+        self._emit(ErrorEvent, code=code, message=message)
+
+    def _arrival_time(self, sample: int) -> float:
+        """Clock time at which input sample `sample` arrived (the frame that carried it)."""
+        ends = [end for end, _ in self._arrivals]
+        i = bisect.bisect_right(ends, sample)
+        if i >= len(self._arrivals):
+            return self._arrivals[-1][1] if self._arrivals else self.clock()
+        return self._arrivals[i][1]
+
+    def _emit_latency(self, resp: Response) -> None:
+        base = resp.marks.get("speech_end")
+        if base is None:
+            return
+        order = ["end_of_turn", "final_transcript", "first_llm_token", "first_tts_chunk", "first_audio"]
+        stages = {k: round(1000 * (resp.marks[k] - base), 1) for k in order if k in resp.marks}
+        self._emit(TurnLatency, turn_id=resp.turn_id, stages=stages)
+
+
+def _pcm16(frame: np.ndarray) -> bytes:
+    return (np.clip(frame, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()

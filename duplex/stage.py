@@ -1,0 +1,48 @@
+"""The streaming stage contract shared by every neural stage (VAD, ASR, LLM, TTS).
+
+A stage is stateless code plus per-session state that the caller owns:
+
+    state = stage.init_state()
+    out, state = stage.step(state, chunk)
+    results = stage.step_batch([(state_a, chunk_a), (state_b, chunk_b)])
+
+State is a dataclass the stage defines; it is never stored on the stage object, so one
+stage instance serves every session. Offline processing is `step` with one big chunk, and
+each stage has a test that streaming output equals offline output for several chunk sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Generic, Protocol, TypeVar, runtime_checkable
+
+StateT = TypeVar("StateT")
+InT = TypeVar("InT")
+OutT = TypeVar("OutT")
+
+
+@runtime_checkable
+class StreamingStage(Protocol[StateT, InT, OutT]):
+    """What the session core and the device executor need from a stage."""
+
+    #: executor job kind, also the key of the stage's latency budget in models.yaml
+    kind: str
+
+    def init_state(self) -> StateT: ...
+
+    def step(self, state: StateT, chunk: InT) -> tuple[OutT, StateT]: ...
+
+    def step_batch(self, items: Sequence[tuple[StateT, InT]]) -> list[tuple[OutT, StateT]]: ...
+
+
+class SequentialBatchMixin(Generic[StateT, InT, OutT]):
+    """`step_batch` for stages whose model has no batched kernel yet: steps sessions in turn.
+
+    Stages with a real batched kernel (for example the VAD) override `step_batch`.
+    """
+
+    def step(self, state: StateT, chunk: InT) -> tuple[OutT, StateT]:  # pragma: no cover
+        raise NotImplementedError
+
+    def step_batch(self, items: Sequence[tuple[StateT, InT]]) -> list[tuple[OutT, StateT]]:
+        return [self.step(state, chunk) for state, chunk in items]

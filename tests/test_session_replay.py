@@ -1,0 +1,193 @@
+"""The session core replays whole conversations on a fake clock with tiny deterministic stages."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from duplex.config import load_profile
+from duplex.session import SR, SessionCore
+from duplex.testing import FakeClock, decode_tones, fake_stages, replay, tone_speech
+
+COSTS = {"vad": 0.002, "asr.partial": 0.05, "asr.final": 0.08, "llm.first": 0.2, "llm.step": 0.1, "tts": 0.02}
+
+
+def answer(history: list[dict[str, str]]) -> str:
+    last = history[-1]["content"]
+    if "capital" in last and "france" in last:
+        return "paris is the capital of france"
+    if "two plus two" in last:
+        return "two plus two is four"
+    if "story" in last:
+        return "once upon a time there was a cat and it was very very good " * 3
+    return "i am fine thanks"
+
+
+def silence(seconds: float) -> np.ndarray:
+    return np.zeros(int(SR * seconds), dtype=np.float32)
+
+
+def make_core(**overrides):
+    profile = load_profile("cpu")
+    clock = FakeClock()
+    stages = fake_stages(answer)
+    core = SessionCore("s1", profile, stages, clock, options=profile.session.with_overrides(overrides))
+    return core, clock, stages
+
+
+def test_question_gets_spoken_answer_and_events_in_order():
+    core, clock, _ = make_core()
+    audio = np.concatenate([silence(0.5), tone_speech("what is the capital of france"), silence(3.0)])
+    result = replay(core, clock, audio, COSTS)
+    types = [e.type for e in result.events()]
+    for expected in ["speech.started", "speech.stopped", "transcript.final", "response.started",
+                     "response.audio.started", "turn.latency", "response.done"]:
+        assert expected in types, (expected, types)
+    assert types.index("speech.started") < types.index("speech.stopped") < types.index("response.started")
+    final = result.events("transcript.final")[0]
+    assert final.text == "what is the capital of france"
+    done = result.events("response.done")[0]
+    assert done.status == "completed" and done.text == "paris is the capital of france"
+    # what the bot *said*, decoded from the audio frames it sent
+    assert decode_tones(result.audio(), 24000) == "paris is the capital of france".split()
+    # every event of the turn carries the session id and the same turn id
+    turn = result.events("speech.started")[0].turn_id
+    assert all(e.session_id == "s1" for e in result.events())
+    assert {e.turn_id for e in result.events() if e.type != "transcript.partial"} == {turn}
+    assert core.history == [
+        {"role": "user", "content": "what is the capital of france"},
+        {"role": "assistant", "content": "paris is the capital of france"},
+    ]
+
+
+def test_answer_starts_right_after_the_hangover_thanks_to_speculation():
+    core, clock, _ = make_core(end_of_turn_silence_ms=500)
+    speech = tone_speech("what is the capital of france")
+    audio = np.concatenate([silence(0.5), speech, silence(3.0)])
+    result = replay(core, clock, audio, COSTS)
+    latency = result.events("turn.latency")[0].stages
+    # the LLM ran during the hangover: its first token came before the end of turn was decided
+    assert latency["first_llm_token"] < latency["end_of_turn"]
+    # first audio leaves within ~50 ms of the end-of-turn decision (TTS + one frame)
+    assert latency["first_audio"] - latency["end_of_turn"] < 60
+    first_audio_t = result.audio_frames()[0].t
+    speech_end = 0.5 + len(speech) / SR - 0.05  # the last gap is silence
+    assert 0.5 <= first_audio_t - speech_end <= 0.75
+
+
+def test_mid_sentence_pause_shorter_than_hangover_does_not_take_the_turn():
+    core, clock, stages = make_core(end_of_turn_silence_ms=600)
+    audio = np.concatenate(
+        [silence(0.3), tone_speech("what is the"), silence(0.4), tone_speech("capital of france"), silence(3.0)]
+    )
+    result = replay(core, clock, audio, COSTS)
+    finals = [e.text for e in result.events("transcript.final")]
+    assert finals == ["what is the capital of france"]
+    assert len(result.events("response.started")) == 1
+    # no audio was sent before the user finished the whole question
+    second_part_end = 0.3 + len(tone_speech("what is the")) / SR + 0.4 + len(tone_speech("capital of france")) / SR
+    assert result.audio_frames()[0].t > second_part_end
+    # the speculation on the partial question was made and thrown away
+    assert any(m[-1]["content"] == "what is the" for m in stages.llm.seen)
+
+
+def test_barge_in_stops_audio_fast_and_keeps_only_heard_words():
+    core, clock, _ = make_core()
+    question = tone_speech("tell me a story")
+    t_barge = 0.3 + len(question) / SR + 2.5  # well into the long answer
+    pre = np.concatenate([silence(0.3), question])
+    audio = np.concatenate([pre, silence(t_barge - len(pre) / SR), tone_speech("stop what is two plus two"), silence(4.0)])
+    result = replay(core, clock, audio, COSTS)
+    interrupted = result.events("response.interrupted")
+    assert len(interrupted) == 1
+    # audio of the story stops within 200 ms of the user starting to talk
+    story_frames = [f for f in result.audio_frames() if f.t < interrupted[0].t + 0.001]
+    assert story_frames[-1].t - t_barge < 0.2
+    done = [e for e in result.events("response.done")]
+    assert done[0].status == "interrupted"
+    heard = interrupted[0].played_text
+    full = done[0].text
+    assert heard and full.startswith(heard) and len(heard) < len(full)
+    # the context keeps only what was heard, then the new question and its answer
+    assert core.history[1] == {"role": "assistant", "content": heard}
+    assert core.history[2]["content"] == "stop what is two plus two"
+    assert core.history[3]["content"] == "two plus two is four"
+    assert done[1].status == "completed"
+    # the words heard match the audio actually sent before the interruption (lead included)
+    sent_words = decode_tones(result.audio(0, interrupted[0].t + 0.001), 24000)
+    assert sent_words[: len(heard.split())] == heard.split()
+
+
+def test_multi_turn_context_is_kept_and_passed_to_the_llm():
+    core, clock, stages = make_core()
+    audio = np.concatenate(
+        [silence(0.3), tone_speech("hello how are you"), silence(3.0), tone_speech("what is the capital of france"), silence(3.0)]
+    )
+    result = replay(core, clock, audio, COSTS)
+    assert [e.status for e in result.events("response.done")] == ["completed", "completed"]
+    last_prompt = stages.llm.seen[-1]
+    assert [m["role"] for m in last_prompt] == ["user", "assistant", "user"]
+    assert last_prompt[1]["content"] == "i am fine thanks"
+    turn_ids = [e.turn_id for e in result.events("response.done")]
+    assert turn_ids[1] == turn_ids[0] + 1
+
+
+def test_cancel_and_noise_and_input_end():
+    core, clock, _ = make_core()
+    q = np.concatenate([silence(0.3), tone_speech("tell me a story")])
+    # cancel one second after the answer starts; then a 60 ms click that must be ignored
+    click = (0.3 * np.sin(np.arange(int(SR * 0.06)) * 0.3)).astype(np.float32)
+    audio = np.concatenate([q, silence(2.0), click, silence(2.0)])
+    result = replay(core, clock, audio, COSTS, controls=[(len(q) / SR + 1.6, {"type": "response.cancel"})])
+    done = result.events("response.done")
+    assert done[0].status == "cancelled"
+    assert len(result.events("speech.started")) == 1  # the click is shorter than min_speech
+    # input.end closes an open turn without waiting for silence
+    core, clock, _ = make_core()
+    speech = tone_speech("what is the capital of france")
+    result = replay(core, clock, speech, COSTS, controls=[(len(speech) / SR + 0.01, {"type": "input.end"})])
+    assert result.events("transcript.final")[0].text == "what is the capital of france"
+    assert result.events("response.done")[0].status == "completed"
+
+
+def test_stage_failure_is_reported_and_the_session_goes_on():
+    calls = {"n": 0}
+
+    def flaky(history):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return answer(history)
+
+    core, clock, _ = make_core()
+    audio = np.concatenate(
+        [silence(0.3), tone_speech("hello how are you"), silence(2.0), tone_speech("what is the capital of france"), silence(3.0)]
+    )
+    core.stages.llm.reply_fn = flaky
+    result = replay(core, clock, audio, COSTS)
+    errors = result.events("error")
+    assert errors and errors[0].code == "stage_failed"
+    assert result.events("response.done")[-1].text == "paris is the capital of france"
+
+
+def test_replay_is_deterministic_and_faster_than_real_time():
+    audio = np.concatenate([silence(0.3), tone_speech("tell me a story"), silence(8.0)])
+    runs = []
+    for _ in range(2):
+        core, clock, _ = make_core()
+        t0 = time.perf_counter()
+        result = replay(core, clock, audio, COSTS)
+        wall = time.perf_counter() - t0
+        runs.append([(round(o.t, 6), o.item if isinstance(o.item, bytes) else o.item.to_wire()) for o in result.outputs])
+    assert runs[0] == runs[1]
+    assert wall < (len(audio) / SR + 3.0) / 3
+
+
+@pytest.mark.parametrize("bad", [{"end_of_turn_silence_ms": -1}, {"vad_threshold": 2}, {"nope": 1}])
+def test_bad_session_update_is_an_error_event(bad):
+    core, clock, _ = make_core()
+    core.receive_control({"type": "session.update", "options": bad})
+    events = [e for e in core.take_outputs() if not isinstance(e, bytes)]
+    assert events[0].type == "error" and events[0].code == "bad_option"
