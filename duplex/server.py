@@ -1,0 +1,263 @@
+"""The WebSocket server: HTTP for the browser client and health, the native protocol at /v1/duplex.
+
+This module is a transport adapter: it converts wire messages (PCM16 binary frames at the client's
+rate, JSON control events) into session-core inputs and core outputs back into wire messages.
+It holds no dialogue logic. The protocol is documented in docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import mimetypes
+from dataclasses import dataclass
+from http import HTTPStatus
+from importlib import resources
+from typing import Any
+
+import numpy as np
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from codec.pcm import pcm16_to_float
+from codec.resample import StreamingResampler
+from duplex.config import ConfigError
+from duplex.events import (
+    CLIENT_EVENT_TYPES,
+    CLIENT_SESSION_START,
+    ErrorEvent,
+    ServerEvent,
+    SessionStarted,
+)
+from duplex.runner import SessionRunner
+from duplex.service import CapacityError, DuplexService
+from duplex.session import SR
+
+log = logging.getLogger("duplex.server")
+
+NATIVE_PATH = "/v1/duplex"
+SUPPORTED_RATES = (8000, 11025, 16000, 22050, 24000, 32000, 44100, 48000)
+MAX_FRAME_BYTES = 64 * 1024  # 0.68 s at 48 kHz; larger frames are refused by the library (1009)
+MAX_JSON_BYTES = 16 * 1024
+START_TIMEOUT_S = 30.0
+
+# WebSocket close codes used by the native protocol
+CLOSE_POLICY = 1008  # e.g. the client stopped reading its audio
+CLOSE_OVERLOAD = 1013  # try again later
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8765
+    origins: tuple[str, ...] | None = None  # None: any origin (set it when exposed to the web)
+
+
+class ProtocolError(ValueError):
+    """A client message broke the protocol; `code` goes into the error event."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _static(name: str) -> tuple[bytes, str] | None:
+    base = resources.files("clients") / "web"
+    path = base / name
+    if "/" in name or name.startswith(".") or not path.is_file():
+        return None
+    ctype = mimetypes.guess_type(name)[0] or "application/octet-stream"
+    return path.read_bytes(), ctype
+
+
+def _http(status: HTTPStatus, body: bytes, ctype: str) -> Response:
+    headers = Headers(
+        [("Content-Type", ctype), ("Content-Length", str(len(body))), ("Cache-Control", "no-store")]
+    )
+    return Response(status.value, status.phrase, headers, body)
+
+
+class DuplexServer:
+    """Serves the native protocol for a `DuplexService`."""
+
+    def __init__(self, service: DuplexService, settings: ServerSettings | None = None) -> None:
+        self.service = service
+        self.settings = settings or ServerSettings()
+        self._server: Server | None = None
+        self.extra_routes: dict[str, Any] = {}  # path -> async handler(connection); other transports
+
+    async def start(self) -> Server:
+        self._server = await serve(
+            self._handle,
+            self.settings.host,
+            self.settings.port,
+            process_request=self._process_request,
+            compression=None,  # deflate costs memory per connection and invites amplification
+            max_size=MAX_FRAME_BYTES,
+            max_queue=64,
+            ping_interval=20,
+            ping_timeout=20,
+            origins=list(self.settings.origins) if self.settings.origins else None,
+        )
+        return self._server
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    # -- HTTP ------------------------------------------------------------------------------
+
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        if path == "/healthz":
+            return _http(HTTPStatus.OK, json.dumps(self.service.health()).encode(), "application/json")
+        if path == "/stats":
+            return _http(HTTPStatus.OK, json.dumps(self.service.stats()).encode(), "application/json")
+        if path in (NATIVE_PATH, *self.extra_routes):
+            if request.headers.get("Upgrade", "").lower() != "websocket":
+                return _http(HTTPStatus.UPGRADE_REQUIRED, b"WebSocket endpoint\n", "text/plain")
+            if self.service.full():
+                return _http(HTTPStatus.SERVICE_UNAVAILABLE, b"server is at capacity, retry later\n", "text/plain")
+            return None
+        name = "index.html" if path == "/" else path.lstrip("/")
+        found = _static(name)
+        if found is None:
+            return _http(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
+        return _http(HTTPStatus.OK, found[0], found[1])
+
+    # -- WebSocket -------------------------------------------------------------------------
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        path = ws.request.path.split("?", 1)[0] if ws.request else NATIVE_PATH
+        if path in self.extra_routes:
+            await self.extra_routes[path](ws)
+            return
+        await self._handle_native(ws)
+
+    async def _handle_native(self, ws: ServerConnection) -> None:
+        try:
+            core = self.service.open_session()
+        except CapacityError as exc:
+            await ws.close(CLOSE_OVERLOAD, str(exc))
+            return
+        sid = core.session_id
+        log.info("session %s opened from %s", sid, ws.remote_address)
+
+        async def send(item: ServerEvent | bytes) -> None:
+            if isinstance(item, bytes):
+                await ws.send(item)
+            else:
+                await ws.send(json.dumps(item.to_wire()))
+
+        runner = SessionRunner(core, self.service.executor, send)
+        resampler: StreamingResampler | None = None
+        resample_state: Any = None
+        started = False
+
+        def error(code: str, message: str) -> None:
+            runner.emit(ErrorEvent(session_id=sid, turn_id=core.turn_id, t=core.clock(), code=code, message=message))
+
+        def begin(rate: int, options: dict[str, Any]) -> None:
+            nonlocal resampler, resample_state, started
+            if rate not in SUPPORTED_RATES:
+                raise ProtocolError("unsupported_sample_rate", f"sample_rate {rate!r} not supported; use one of {list(SUPPORTED_RATES)}")
+            if options:
+                try:
+                    core.options = core.options.with_overrides(options)
+                    core.endpointer = core._new_endpointer()
+                except ConfigError as exc:
+                    raise ProtocolError("bad_option", str(exc)) from None
+            resampler = None if rate == SR else StreamingResampler(rate, SR)
+            resample_state = resampler.init_state() if resampler else None
+            started = True
+            runner.emit(
+                SessionStarted(
+                    session_id=sid,
+                    turn_id=0,
+                    t=core.clock(),
+                    input_sample_rate=rate,
+                    output_sample_rate=core.out_sr,
+                    profile=self.service.profile.name,
+                    options={k: getattr(core.options, k) for k in core.options.CLIENT_SETTABLE},
+                )
+            )
+
+        await runner.start()
+        try:
+            async for message in ws:
+                try:
+                    if isinstance(message, bytes):
+                        if not started:
+                            begin(SR, {})  # audio first: the defaults (16 kHz)
+                        if len(message) % 2:
+                            raise ProtocolError("bad_audio", f"audio frame of {len(message)} bytes: PCM16 needs an even byte count")
+                        samples = pcm16_to_float(message)
+                        if resampler is not None:
+                            samples, resample_state = resampler.step(resample_state, samples)
+                        runner.feed_audio(samples)
+                    else:
+                        event = self._parse(message)
+                        if event["type"] == CLIENT_SESSION_START:
+                            if started:
+                                raise ProtocolError("already_started", "session.start may only be sent once, first")
+                            rate = event.get("sample_rate", SR)
+                            if not isinstance(rate, int) or isinstance(rate, bool):
+                                raise ProtocolError("unsupported_sample_rate", "sample_rate must be an integer")
+                            options = event.get("options") or {}
+                            if not isinstance(options, dict):
+                                raise ProtocolError("bad_option", "options must be an object")
+                            begin(rate, options)
+                        else:
+                            if not started:
+                                begin(SR, {})
+                            runner.control(event)
+                except ProtocolError as exc:
+                    error(exc.code, str(exc))
+                if runner.failed is not None:
+                    await ws.close(CLOSE_POLICY, "client too slow: output not read")
+                    break
+        except ConnectionClosed:
+            pass
+        finally:
+            await runner.close()
+            self.service.close_session(sid)
+            log.info("session %s closed", sid)
+
+    @staticmethod
+    def _parse(message: str) -> dict[str, Any]:
+        if len(message) > MAX_JSON_BYTES:
+            raise ProtocolError("too_large", f"JSON message of {len(message)} bytes exceeds {MAX_JSON_BYTES}")
+        try:
+            event = json.loads(message)
+        except json.JSONDecodeError as exc:
+            raise ProtocolError("bad_json", f"malformed JSON: {exc.msg} at position {exc.pos}") from None
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+            raise ProtocolError("bad_event", 'a JSON message must be an object with a string "type"')
+        if event["type"] not in CLIENT_EVENT_TYPES:
+            raise ProtocolError("unknown_event", f"unknown event type {event['type']!r}; known: {list(CLIENT_EVENT_TYPES)}")
+        return event
+
+
+async def run_server(service: DuplexService, settings: ServerSettings, ready: asyncio.Event | None = None) -> None:
+    """Serve until cancelled (Ctrl-C / SIGTERM)."""
+    server = DuplexServer(service, settings)
+    await server.start()
+    log.info("serving on http://%s:%d  (WebSocket %s)", settings.host, server.port, NATIVE_PATH)
+    print(f"duplex: listening on http://{settings.host}:{server.port}/  (WebSocket ws://{settings.host}:{server.port}{NATIVE_PATH})", flush=True)
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.Future()
+    finally:
+        with contextlib.suppress(Exception):
+            await server.close()

@@ -1,0 +1,146 @@
+"""The service: one profile's stages, one device executor, and the sessions sharing them."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from duplex.config import Profile, SessionOptions, load_profile
+from duplex.executor import DeviceExecutor
+from duplex.session import SR, SessionCore, Stages
+
+log = logging.getLogger("duplex.service")
+
+
+class CapacityError(RuntimeError):
+    """The service already holds its maximum number of sessions."""
+
+
+def build_stages(profile: Profile, progress: bool = True) -> Stages:
+    """Load the real stages a profile names (this imports the model packages)."""
+    from asr.moonshine import AsrChunk, load_asr_stage
+    from asr.vad import load_vad_stage
+    from dialogue.llm import LlmStep, load_llm_stage
+    from tts.hibari_tts import TtsInput, load_tts_stage
+
+    backends = {name: c.backend for name, c in profile.components.items()}
+    expected = {"vad": "silero-onnx", "asr": "moonshine", "llm": "transformers-gguf", "tts": "hibari"}
+    for name, backend in expected.items():
+        if backends.get(name) not in (backend, None):
+            raise ValueError(
+                f"profile {profile.name!r}: {name} backend {backends.get(name)!r} is not available "
+                f"in this build (known: {backend})"
+            )
+    t0 = time.perf_counter()
+    vad = load_vad_stage(profile.component("vad"))
+    asr = load_asr_stage(profile.component("asr"))
+    tts = load_tts_stage(profile.component("tts"))
+    llm = load_llm_stage(profile.component("llm"), progress=progress)
+    log.info("stages loaded in %.1f s", time.perf_counter() - t0)
+    return Stages(
+        vad=vad,
+        asr=asr,
+        llm=llm,
+        tts=tts,
+        asr_chunk=lambda samples, transcribe, final: AsrChunk(samples=samples, transcribe=transcribe, final=final),
+        llm_step=lambda messages, max_tokens: LlmStep(messages=messages, max_tokens=max_tokens),
+        tts_input=lambda text, final: TtsInput(text=text, final=final),
+    )
+
+
+def warm_up(stages: Stages) -> dict[str, float]:
+    """Run each stage once so the first user does not pay for lazy initialisation."""
+    times: dict[str, float] = {}
+    t = time.perf_counter()
+    stages.vad.step(stages.vad.init_state(), np.zeros(SR // 2, dtype=np.float32))
+    times["vad"] = time.perf_counter() - t
+    t = time.perf_counter()
+    noise = (0.01 * np.random.default_rng(0).standard_normal(SR)).astype(np.float32)
+    stages.asr.step(stages.asr.init_state(), stages.asr_chunk(noise, True, True))
+    times["asr"] = time.perf_counter() - t
+    t = time.perf_counter()
+    stages.llm.step(stages.llm.init_state(), stages.llm_step([{"role": "user", "content": "Hi."}], 2))
+    times["llm"] = time.perf_counter() - t
+    t = time.perf_counter()
+    stages.tts.step(stages.tts.init_state(), stages.tts_input("Hello there.", True))
+    times["tts"] = time.perf_counter() - t
+    return times
+
+
+@dataclass
+class ServiceLimits:
+    max_sessions: int = 8
+    bulk_workers: int = 1
+
+
+class DuplexService:
+    """Owns the stages and the executor; creates session cores for transports."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        stages: Stages,
+        *,
+        limits: ServiceLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.profile = profile
+        self.stages = stages
+        self.limits = limits or ServiceLimits()
+        self.clock = clock
+        self.executor = DeviceExecutor(bulk_workers=self.limits.bulk_workers, clock=clock)
+        for stage_name in ("vad", "asr", "llm", "tts"):
+            self.executor.register(getattr(stages, stage_name), name=stage_name)
+        self.sessions: dict[str, SessionCore] = {}
+        self.started = time.time()
+        self.sessions_total = 0
+
+    @classmethod
+    def load(cls, profile_name: str | None = None, *, progress: bool = True, warm: bool = True,
+             limits: ServiceLimits | None = None) -> DuplexService:
+        profile = load_profile(profile_name)
+        stages = build_stages(profile, progress=progress)
+        if warm:
+            log.info("warm-up: %s", {k: round(v, 3) for k, v in warm_up(stages).items()})
+        return cls(profile, stages, limits=limits)
+
+    def full(self) -> bool:
+        return len(self.sessions) >= self.limits.max_sessions
+
+    def open_session(self, options: SessionOptions | None = None) -> SessionCore:
+        if self.full():
+            raise CapacityError(f"server is at capacity ({self.limits.max_sessions} sessions)")
+        session_id = uuid.uuid4().hex[:12]
+        core = SessionCore(session_id, self.profile, self.stages, self.clock, options=options)
+        self.sessions[session_id] = core
+        self.sessions_total += 1
+        return core
+
+    def close_session(self, session_id: str) -> None:
+        core = self.sessions.pop(session_id, None)
+        if core is not None:
+            core.close()
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "profile": self.profile.name,
+            "sessions": len(self.sessions),
+            "max_sessions": self.limits.max_sessions,
+            "sessions_total": self.sessions_total,
+            "uptime_s": round(time.time() - self.started, 1),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.health(), "executor": self.executor.stats(), "queue_depth": self.executor.queue_depth()}
+
+    def close(self) -> None:
+        for sid in list(self.sessions):
+            self.close_session(sid)
+        self.executor.close()
