@@ -50,6 +50,7 @@ class LabelStats:
     count: int = 0
     overruns: int = 0
     failures: int = 0
+    run_total: float = 0.0  # seconds of worker time, shared evenly by the jobs of a batch
     waits: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
     runs: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
     batch_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=2000))
@@ -139,6 +140,7 @@ class DeviceExecutor:
                 "jobs": s.count,
                 "overruns": s.overruns,
                 "failures": s.failures,
+                "run_total_s": round(s.run_total, 4),
                 "wait_p50_ms": 1000 * _percentile(s.waits, 50),
                 "wait_p90_ms": 1000 * _percentile(s.waits, 90),
                 "run_p50_ms": 1000 * _percentile(s.runs, 50),
@@ -218,6 +220,7 @@ class DeviceExecutor:
                 s.count += 1
                 s.waits.append(start - job.submitted)
                 s.runs.append(end - start)
+                s.run_total += (end - start) / len(batch)
                 s.batch_sizes.append(len(batch))
                 if end > job.deadline:
                     s.overruns += 1

@@ -138,7 +138,25 @@ class DuplexService:
         }
 
     def stats(self) -> dict[str, Any]:
-        return {**self.health(), "executor": self.executor.stats(), "queue_depth": self.executor.queue_depth()}
+        """Health, per-stage executor statistics, and this process's CPU time and memory."""
+        import resource
+
+        import psutil
+
+        proc = psutil.Process()
+        cpu = proc.cpu_times()
+        return {
+            **self.health(),
+            "executor": self.executor.stats(),
+            "queue_depth": self.executor.queue_depth(),
+            "process": {
+                "cpu_user_s": round(cpu.user, 3),
+                "cpu_system_s": round(cpu.system, 3),
+                "rss_mb": round(proc.memory_info().rss / 2**20, 1),
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "threads": proc.num_threads(),
+            },
+        }
 
     def close(self) -> None:
         for sid in list(self.sessions):
