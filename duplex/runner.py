@@ -86,12 +86,6 @@ class SessionRunner:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
-    async def drain(self, timeout: float = 5.0) -> None:
-        """Wait until queued outputs were handed to the transport."""
-        deadline = time.monotonic() + timeout
-        while not self._out.empty() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-
     # -- internals -----------------------------------------------------------------------
 
     def _flush(self) -> None:

@@ -17,7 +17,6 @@ from http import HTTPStatus
 from importlib import resources
 from typing import Any
 
-import numpy as np
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed

@@ -392,9 +392,11 @@ class SessionCore:
             return
         seg.asr_state = state
         text = str(getattr(out, "text", "") or "").strip() if out is not None else ""
-        if final:
+        if final or covered >= seg.pause_at > 0 or seg.ended:
+            # any transcript that covers the audio up to the pause can serve as the final one,
+            # so a partial still in flight when the user stops is not transcribed twice
             seg.spec_final, seg.spec_at, seg.spec_ready = text, covered, self.clock()
-        else:
+        if not final:
             seg.last_partial_cost = float(getattr(out, "compute_seconds", 0.0) or 0.0)
             if text and text != seg.partial_text and not seg.ended:
                 seg.partial_text = text

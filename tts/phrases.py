@@ -1,0 +1,119 @@
+"""Cut a stream of LLM text deltas into phrases for TTS, identically however the text is split.
+
+Every decision looks only at text already received, and a cut is made at the first position where
+it becomes certain, so feeding the text char by char or all at once yields the same phrases.
+A word is complete once whitespace follows it: trailing punctuation belongs to the word, and
+"3.5", "U.S." or "Dr." are never cut in the middle (the next token nearly always brings the space).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+#: punctuation that ends a phrase when it ends a word (clause and sentence ends)
+BOUNDARY = frozenset(",;:.!?…")
+_CLOSERS = "\"')]}”’»"
+_OPENERS = "\"'([{“‘«"
+#: a period after these is not a sentence end (lowercase, without the period)
+ABBREVIATIONS = frozenset(
+    {"mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "vs", "mt", "approx", "dept", "fig"}
+)
+
+# markdown the LLM may emit despite the prompt: emphasis and headings are dropped, `_` becomes a space
+_MARKDOWN = str.maketrans({"*": None, "#": None, "`": None, "~": None, "•": None, "_": " "})
+_TOKEN = re.compile(r"(\S+)(\s)")
+_ALNUM = re.compile(r"\w")
+_BULLET = re.compile(r"^[-–]\s+")  # "- item": a list bullet, which hibari would read as a pause
+
+
+def _is_emoji(ch: str) -> bool:
+    cp = ord(ch)
+    return (
+        0x1F000 <= cp <= 0x1FAFF  # emoticons, pictographs, flags, ...
+        or 0x2600 <= cp <= 0x27BF  # misc symbols, dingbats
+        or 0x2B00 <= cp <= 0x2BFF  # stars, arrows
+        or 0xE0020 <= cp <= 0xE007F  # tag characters (subdivision flags)
+        or cp in (0x200D, 0xFE0E, 0xFE0F, 0x20E3)  # joiners, variation selectors, keycap
+    )
+
+
+def clean_text(text: str) -> str:
+    """Remove markdown-ish characters and emojis; works char by char, so it is split-invariant."""
+    return "".join(ch for ch in text.translate(_MARKDOWN) if not _is_emoji(ch))
+
+
+def _ends_phrase(token: str) -> bool:
+    core = token.rstrip(_CLOSERS)
+    if not core or core[-1] not in BOUNDARY:
+        return False
+    if core[-1] == ".":
+        word = core[:-1].lstrip(_OPENERS)
+        if word.lower() in ABBREVIATIONS:
+            return False
+        if len(word) == 1 and word.isupper() and word != "I":  # an initial: "J. K. Rowling"
+            return False
+        if "." in word and all(len(part) == 1 for part in word.split(".")):  # "U.S.", "e.g."
+            return False
+    return True
+
+
+def _tidy(phrase: str) -> str:
+    return _BULLET.sub("", " ".join(phrase.split()))
+
+
+@dataclass
+class PhraseState:
+    """Text received but not yet spoken, and how many phrases this response has emitted."""
+
+    pending: str = ""
+    emitted: int = 0
+
+
+class PhraseSegmenter:
+    """Decides when a phrase is ready: the first after `first_phrase_words` words, later ones at punctuation."""
+
+    def __init__(self, first_phrase_words: int = 3, max_phrase_words: int = 12) -> None:
+        if first_phrase_words < 1 or max_phrase_words < 1:
+            raise ValueError("first_phrase_words and max_phrase_words must be >= 1")
+        self.first_phrase_words = first_phrase_words
+        self.max_phrase_words = max_phrase_words
+
+    def init_state(self) -> PhraseState:
+        return PhraseState()
+
+    def _cut(self, text: str, emitted: int) -> int | None:
+        """End index of the next phrase in `text` (leading whitespace stripped), or None if not ready."""
+        limit = self.max_phrase_words
+        if emitted == 0:
+            limit = min(limit, self.first_phrase_words)
+        words = 0
+        for m in _TOKEN.finditer(text):
+            token = m.group(1)
+            if _ALNUM.search(token):
+                words += 1
+            # a phrase with no word (a stray "..." or "-") waits for the next word
+            if words and (words >= limit or _ends_phrase(token) or m.group(2) == "\n"):
+                return m.end(1)
+        return None
+
+    def step(self, state: PhraseState, delta: str, final: bool = False) -> tuple[list[str], PhraseState]:
+        """Add a text delta; return the phrases now ready (all the rest when `final`). State is not modified."""
+        pending = state.pending + clean_text(delta)
+        emitted = state.emitted
+        phrases: list[str] = []
+        while True:
+            pending = pending.lstrip()
+            end = self._cut(pending, emitted)
+            if end is None:
+                break
+            phrases.append(_tidy(pending[:end]))
+            emitted += 1
+            pending = pending[end:]
+        if final:
+            rest = _tidy(pending)
+            if _ALNUM.search(rest):  # punctuation or symbols alone are not worth synthesising
+                phrases.append(rest)
+                emitted += 1
+            pending = ""
+        return phrases, PhraseState(pending=pending, emitted=emitted)
