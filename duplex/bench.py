@@ -63,6 +63,7 @@ FRAME_SECONDS = FRAME_SAMPLES / SR
 
 #: targets drawn on the plot and checked in the summary
 TARGETS = {"onset_p50_s": 1.2, "onset_p90_s": 2.0, "barge_in_p50_s": 0.2}
+STALL_S = 0.1  # no answer frame for this long before the interruption's onset: the audio had stalled
 LATENCY_STAGES = ("end_of_turn", "final_transcript", "first_llm_token", "first_tts_chunk", "first_audio")
 
 QUESTIONS: tuple[str, ...] = (
@@ -520,8 +521,12 @@ class Conversation:
                                                   if r.is_audio and r.t > t_onset)
             raw = (last - t_onset) if last is not None else None
             trial_rec["reaction_raw_s"] = raw
-            # no audio after the onset (a gap in the answer): the reaction was immediate
-            trial_rec["reaction_s"] = max(0.0, raw) if raw is not None else None
+            # the last frame came a little before the onset (frames are 40 ms apart): the server stopped
+            # at once (0). Much earlier: the answer's audio had stalled (TTS/LLM slower than real time),
+            # there was nothing to stop and the reaction is not measurable; counted apart.
+            stalled = raw is None or raw < -STALL_S
+            trial_rec["answer_stalled_at_onset"] = stalled
+            trial_rec["reaction_s"] = None if stalled else max(0.0, raw)
             trial_rec["event_after_onset_s"] = rx.log[i].t - t_onset
             trial_rec["ok"] = True
         with contextlib.suppress(TimeoutError):
@@ -541,8 +546,10 @@ class Conversation:
         stop = irec.get("audio_started_index")
         trial_rec["leaked_frames"] = count_leaks(rx.log, start_idx, stop)
         if trial_rec["ok"]:
+            reaction = ("n/a (answer audio had stalled)" if trial_rec["reaction_s"] is None
+                        else f"{trial_rec['reaction_s'] * 1000:.0f} ms")
             self.progress(
-                f"{label} {prompt!r} interrupted after {wait_s:.2f} s: reaction {trial_rec['reaction_s'] * 1000:.0f} ms, "
+                f"{label} {prompt!r} interrupted after {wait_s:.2f} s: reaction {reaction}, "
                 f"leaked frames {trial_rec['leaked_frames']}; " + self._line(irec, "answer")
             )
         else:
@@ -643,6 +650,7 @@ def _summary(turns: list[dict[str, Any]], barge_ins: list[dict[str, Any]]) -> di
         "barge_in_reaction_s": reaction,
         "barge_in_event_s": percentiles([b["event_after_onset_s"] for b in barge_ins if b.get("ok")]),
         "leaked_frames": int(sum(b.get("leaked_frames", 0) for b in barge_ins)),
+        "barge_ins_stalled": sum(1 for b in barge_ins if b.get("answer_stalled_at_onset")),
         "turns_failed": sum(1 for t in turns if not t.get("ok")),
         "barge_ins_failed": sum(1 for b in barge_ins if not b.get("ok")),
         "split_turns": int(sum(t.get("split_finals", 0) for t in turns)),
@@ -842,7 +850,8 @@ def format_table(result: dict[str, Any]) -> str:
     )
     lines.append(
         f"failures: {s['turns_failed']} turns, {s['barge_ins_failed']} barge-ins; leaked frames after "
-        f"response.interrupted: {s['leaked_frames_total']}; VAD-split turns: {s['split_turns']}"
+        f"response.interrupted: {s['leaked_frames_total']}; VAD-split turns: {s['split_turns']}; barge-ins "
+        f"not measurable (answer audio stalled at the interruption): {s['barge_ins_stalled']}"
     )
     rtf = s["rtf"]
     lines.append("")
@@ -851,6 +860,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{label:<14} {r['jobs']:>6} {r['overruns']:>8} {r['run_s']:>8.2f} {r['per']:>7} "
                      f"{r['audio_s']:>8.1f} {_fmt(r['rtf'], 1, 3):>7}")
     for stage, r in rtf["stages"].items():
+        if sum(1 for label in rtf["labels"] if label.split(".")[0] == stage) < 2:
+            continue  # the label row says it all
         lines.append(f"{stage + ' (all)':<14} {r['jobs']:>6} {r['overruns']:>8} {r['run_s']:>8.2f} {'':>7} "
                      f"{r['audio_s']:>8.1f} {_fmt(r['rtf'], 1, 3):>7}")
     p = rtf["process"]
