@@ -100,8 +100,8 @@ class Segment:
     turn_id: int
     start_sample: int
     asr_state: Any
-    pending: list[np.ndarray] = field(default_factory=list)  # audio not yet lent to the ASR
-    fed_samples: int = 0  # samples handed to the ASR so far
+    audio: list[np.ndarray] = field(default_factory=list)  # the whole segment so far
+    pending: list[np.ndarray] = field(default_factory=list)  # audio not yet lent to the partial ASR
     total_samples: int = 0  # samples in the segment so far
     last_transcribed: int = 0  # total_samples at the last transcription request
     partial_text: str = ""
@@ -185,6 +185,7 @@ class SessionCore:
         self._recent = np.concatenate([self._recent, x])[-keep:]
         self._recent_base = self.samples_in - self._recent.size
         if self.segment is not None and not self.segment.ended:
+            self.segment.audio.append(x)
             self.segment.pending.append(x)
             self.segment.total_samples += x.size
         self._vad_pending.append(x)
@@ -239,7 +240,7 @@ class SessionCore:
 
     def on_result(self, job: Job, out: Any, state: Any) -> None:
         """A job finished: take the stage state back, then use the output if still current."""
-        self._busy.pop(job.stage, None)
+        self._busy.pop(_slot(job), None)
         if self.closed:
             return
         handler = {"vad": self._on_vad, "asr": self._on_asr, "llm": self._on_llm, "tts": self._on_tts}[job.stage]
@@ -248,16 +249,17 @@ class SessionCore:
 
     def on_failure(self, job: Job, exc: BaseException) -> None:
         """A job raised: report it, reset that stage's state, keep the session alive."""
-        self._busy.pop(job.stage, None)
+        self._busy.pop(_slot(job), None)
         log.error("session %s: %s job failed: %s", self.session_id, job.label, exc)
         self._error("stage_failed", f"{job.label} failed: {exc}")
         if job.stage == "vad":
             self._vad_state = self.stages.vad.init_state()
             self._submit_vad()
         elif job.stage == "asr":
-            if self.segment is not None and job.tag[0] == self.segment.sid:
-                self.segment.asr_state = self.stages.asr.init_state()
-                self.segment.fed_samples = 0
+            seg = self.segment
+            if seg is not None and job.tag[0] == seg.sid and job.label == "asr.partial":
+                seg.asr_state = self.stages.asr.init_state()
+                seg.pending = list(seg.audio)
         elif job.stage == "llm":
             self._llm_state = self.stages.llm.init_state()
             if self.response is not None:
@@ -343,6 +345,7 @@ class SessionCore:
         seg = Segment(
             sid=next(self._sids), turn_id=self.turn_id, start_sample=first, asr_state=self.stages.asr.init_state()
         )
+        seg.audio.append(audio)
         seg.pending.append(audio)
         seg.total_samples = audio.size
         self.segment = seg
@@ -354,31 +357,35 @@ class SessionCore:
             return
         interval = max(self.options.partial_interval_ms / 1000, 2.0 * seg.last_partial_cost)
         if seg.total_samples - seg.last_transcribed >= SR * interval:
-            self._submit_asr(seg, final=False)
+            self._submit_partial(seg)
 
-    def _submit_asr(self, seg: Segment, final: bool) -> None:
+    def _submit_partial(self, seg: Segment) -> None:
+        """Partials feed the segment's incremental ASR state with the audio since the last one."""
         chunk = np.concatenate(seg.pending) if seg.pending else np.zeros(0, dtype=np.float32)
         seg.pending = []
-        seg.fed_samples += chunk.size
         seg.last_transcribed = seg.total_samples
-        label = "asr.final" if final else "asr.partial"
         self._submit(
-            "asr",
-            label,
-            seg.asr_state,
-            self.stages.asr_chunk(chunk, True, final),
-            self.budgets[label],
-            tag=(seg.sid, final, seg.total_samples),
+            "asr", "asr.partial", seg.asr_state, self.stages.asr_chunk(chunk, True, False),
+            self.budgets["asr.partial"], tag=(seg.sid, False, seg.total_samples),
+        )
+
+    def _submit_final(self, seg: Segment) -> None:
+        """Finals run on a fresh state over the whole segment, in their own slot, so they never
+        wait behind a partial that is still in flight (with two bulk workers they overlap)."""
+        if "asr.final" in self._busy:
+            return  # _on_asr asks again when the one in flight returns, if it does not cover enough
+        audio = np.concatenate(seg.audio) if seg.audio else np.zeros(0, dtype=np.float32)
+        self._submit(
+            "asr", "asr.final", self.stages.asr.init_state(), self.stages.asr_chunk(audio, True, True),
+            self.budgets["asr.final"], tag=(seg.sid, True, seg.total_samples),
         )
 
     def _speculate(self) -> None:
         """The user paused: transcribe now so the answer can start before the hangover ends."""
         seg = self.segment
-        if seg is None or seg.ended:
+        if seg is None or seg.ended or seg.spec_valid():
             return
-        if "asr" in self._busy:
-            return  # _on_asr asks again when the partial in flight returns
-        self._submit_asr(seg, final=True)
+        self._submit_final(seg)
 
     def _drop_speculation(self) -> None:
         if self.response is not None and not self.response.committed:
@@ -390,11 +397,12 @@ class SessionCore:
         if seg is None or seg.sid != seg_id:
             self._maybe_partial()  # stale: the segment was answered already
             return
-        seg.asr_state = state
+        if not final:
+            seg.asr_state = state
         text = str(getattr(out, "text", "") or "").strip() if out is not None else ""
-        if final or covered >= seg.pause_at > 0 or seg.ended:
+        if covered > seg.spec_at and (final or covered >= seg.pause_at > 0 or seg.ended):
             # any transcript that covers the audio up to the pause can serve as the final one,
-            # so a partial still in flight when the user stops is not transcribed twice
+            # so a partial that returns after the user stopped is not transcribed twice
             seg.spec_final, seg.spec_at, seg.spec_ready = text, covered, self.clock()
         if not final:
             seg.last_partial_cost = float(getattr(out, "compute_seconds", 0.0) or 0.0)
@@ -405,10 +413,10 @@ class SessionCore:
             if seg.spec_valid():
                 self._commit_turn(seg)
             else:
-                self._submit_asr(seg, final=True)
+                self._submit_final(seg)
         elif self.endpointer.paused:
             if not seg.spec_valid():
-                self._submit_asr(seg, final=True)
+                self._submit_final(seg)
             elif self.response is None and seg.spec_final:
                 self._start_response(seg.turn_id, seg.spec_final, committed=False)
         else:
@@ -424,9 +432,8 @@ class SessionCore:
         self._emit(SpeechStopped, turn_id=seg.turn_id, audio_ms=int(1000 * end_sample / SR))
         if seg.spec_valid():
             self._commit_turn(seg)
-        elif "asr" not in self._busy:
-            self._submit_asr(seg, final=True)
-        # else: _on_asr submits the final transcription when the job in flight returns
+        else:
+            self._submit_final(seg)
 
     def _commit_turn(self, seg: Segment) -> None:
         text = (seg.spec_final or "").strip()
@@ -611,19 +618,18 @@ class SessionCore:
 
     def _submit(self, stage: str, label: str, state: Any, chunk: Any, budget: float, tag: Any) -> None:
         now = self.clock()
-        self._busy[stage] = tag
-        self._jobs.append(
-            Job(
-                stage=stage,
-                label=label,
-                session_id=self.session_id,
-                turn_id=self.turn_id,
-                state=state,
-                chunk=chunk,
-                deadline=now + budget,
-                tag=tag,
-            )
+        job = Job(
+            stage=stage,
+            label=label,
+            session_id=self.session_id,
+            turn_id=self.turn_id,
+            state=state,
+            chunk=chunk,
+            deadline=now + budget,
+            tag=tag,
         )
+        self._busy[_slot(job)] = tag
+        self._jobs.append(job)
 
     def _emit(self, cls: type[ServerEvent], turn_id: int | None = None, **fields: Any) -> None:
         self._outputs.append(
@@ -648,6 +654,11 @@ class SessionCore:
         order = ["end_of_turn", "final_transcript", "first_llm_token", "first_tts_chunk", "first_audio"]
         stages = {k: round(1000 * (resp.marks[k] - base), 1) for k in order if k in resp.marks}
         self._emit(TurnLatency, turn_id=resp.turn_id, stages=stages)
+
+
+def _slot(job: Job) -> str:
+    """In-flight slots: one job per stage per session, except final transcriptions (own slot)."""
+    return "asr.final" if job.label == "asr.final" else job.stage
 
 
 def _pcm16(frame: np.ndarray) -> bytes:

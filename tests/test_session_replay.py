@@ -191,3 +191,16 @@ def test_bad_session_update_is_an_error_event(bad):
     core.receive_control({"type": "session.update", "options": bad})
     events = [e for e in core.take_outputs() if not isinstance(e, bytes)]
     assert events[0].type == "error" and events[0].code == "bad_option"
+
+
+def test_final_transcription_does_not_wait_behind_a_slow_partial():
+    core, clock, _ = make_core(partial_interval_ms=300)
+    costs = dict(COSTS, **{"asr.partial": 0.45, "asr.final": 0.25, "llm.first": 0.18})
+    audio = np.concatenate([silence(0.3), tone_speech("what is the capital of france"), silence(3.0)])
+    result = replay(core, clock, audio, costs)
+    latency = result.events("turn.latency")[0].stages
+    # the final ran in its own slot the moment the user paused, while a partial was still running
+    assert latency["final_transcript"] < 300
+    assert latency["first_llm_token"] < latency["end_of_turn"]
+    assert result.events("transcript.final")[0].text == "what is the capital of france"
+    assert result.events("transcript.partial"), "partials were produced while speaking"
