@@ -51,10 +51,10 @@ async def send_audio(ws, audio: np.ndarray, rate: int = SR, speed: float = 4.0):
         await asyncio.sleep(0.02 / speed)
 
 
-async def collect(ws, until: str, timeout: float = 10.0):
+async def collect(ws, until: str, limit_s: float = 10.0):
     """Receive until an event of type `until`; returns (events, audio float32)."""
     events, audio = [], []
-    async with asyncio.timeout(timeout):
+    async with asyncio.timeout(limit_s):
         while True:
             msg = await ws.recv()
             if isinstance(msg, bytes):
@@ -125,7 +125,7 @@ async def test_bad_input_gets_errors_while_a_parallel_session_works(server):
             await ws.send(json.dumps({"type": "session.start", "sample_rate": 16000}))
             await ws.recv()
             await send_audio(ws, np.concatenate([silence(0.3), tone_speech("what is the capital of france"), silence(1.0)]), speed=2)
-            events, _ = await collect(ws, "response.done", timeout=15)
+            events, _ = await collect(ws, "response.done", limit_s=15)
             return events
 
     async def bad_session():
@@ -214,7 +214,7 @@ async def test_barge_in_over_the_wire_stops_audio(server):
                     break
         assert last_story_audio is not None and last_story_audio - t_speak < 0.3
         assert ev["played_text"]
-        events, _ = await collect(ws, "response.done", timeout=10)  # the interrupted one
-        events, _ = await collect(ws, "response.done", timeout=10)  # the answer to the new question
+        events, _ = await collect(ws, "response.done", limit_s=10)  # the interrupted one
+        events, _ = await collect(ws, "response.done", limit_s=10)  # the answer to the new question
         assert events[-1]["text"] == "paris is the capital of france"
         await sender
