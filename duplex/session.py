@@ -506,6 +506,14 @@ class SessionCore:
             self._submit_llm()  # stale: a newer response may be waiting for the LLM
             return
         delta = str(getattr(out, "text", "") or "")
+        if job.label == "llm.first":
+            timings = getattr(out, "timings", {}) or {}
+            log.info(
+                "session %s turn %d: llm prefill %s tokens in %.0f ms, first step %.0f ms, queued %.0f ms",
+                self.session_id, resp.turn_id, getattr(out, "prefill_tokens", "?"),
+                1000 * timings.get("prefill_s", 0.0), 1000 * timings.get("total_s", 0.0),
+                1000 * (self.clock() - job.submitted) - 1000 * timings.get("total_s", 0.0),
+            )
         if delta:
             resp.marks.setdefault("first_llm_token", self.clock())
             resp.text += delta
@@ -610,9 +618,12 @@ class SessionCore:
         self._trim_history()
 
     def _trim_history(self) -> None:
+        # Dropping the oldest turn changes the start of the prompt, so the LLM's KV cache no
+        # longer matches and the whole remaining history is prefilled again. Trim rarely and in
+        # bulk: past the limit, keep only the newer half.
         limit = 2 * self.options.max_history_turns
         if len(self.history) > limit:
-            del self.history[: len(self.history) - limit]
+            del self.history[: len(self.history) - limit // 2]
             while self.history and self.history[0]["role"] != "user":
                 del self.history[0]
 
