@@ -145,6 +145,7 @@ class SessionCore:
         llm_opts = profile.component("llm").options
         self.first_step_tokens = int(llm_opts.get("first_step_tokens", 4))
         self.step_tokens = int(llm_opts.get("step_tokens", 4))
+        self.first_phrase_words = int(profile.component("tts").options.get("first_phrase_words", 3))
         self.out_sr = self.options.output_sample_rate
         self.playout = Playout(self.out_sr, self.options.playout_lead_ms / 1000.0, int(self.out_sr * FRAME_SECONDS))
         self.endpointer = self._new_endpointer()
@@ -355,7 +356,8 @@ class SessionCore:
         seg = self.segment
         if seg is None or seg.ended or "asr" in self._busy or self.endpointer.paused:
             return
-        interval = max(self.options.partial_interval_ms / 1000, 2.0 * seg.last_partial_cost)
+        # keep partials to about a third of real time so a final rarely waits behind one
+        interval = max(self.options.partial_interval_ms / 1000, 3.0 * seg.last_partial_cost)
         if seg.total_samples - seg.last_transcribed >= SR * interval:
             self._submit_partial(seg)
 
@@ -478,6 +480,13 @@ class SessionCore:
         self._submit_tts()
         self.tick()
 
+    def _needs_first_phrase(self, resp: Response) -> bool:
+        """The text so far is not yet a speakable first phrase (too few complete words)."""
+        words = resp.text.split()
+        complete = len(words) - (0 if not resp.text or resp.text[-1].isspace() else 1)
+        has_break = any(mark in resp.text for mark in ",.;:!?")
+        return not resp.llm_done and not has_break and complete < self.first_phrase_words and len(words) < 12
+
     def _messages_for(self, resp: Response) -> list[dict[str, str]]:
         msgs = list(self.history)
         if not resp.committed:
@@ -488,8 +497,8 @@ class SessionCore:
         resp = self.response
         if resp is None or resp.llm_done or "llm" in self._busy or self.closed:
             return
-        if resp.llm_started and not resp.committed:
-            return  # while speculative, stop after the first step: the user may go on
+        if resp.llm_started and not resp.committed and not self._needs_first_phrase(resp):
+            return  # speculative: stop once the first phrase can be spoken, the user may go on
         if not resp.llm_started:
             step = self.stages.llm_step(self._messages_for(resp), self.first_step_tokens)
             label = "llm.first"

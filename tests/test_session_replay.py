@@ -204,3 +204,17 @@ def test_final_transcription_does_not_wait_behind_a_slow_partial():
     assert latency["first_llm_token"] < latency["end_of_turn"]
     assert result.events("transcript.final")[0].text == "what is the capital of france"
     assert result.events("transcript.partial"), "partials were produced while speaking"
+
+
+def test_speculation_continues_until_a_first_phrase_is_ready():
+    core, clock, stages = make_core()
+    stages.llm.reply_fn = lambda history: "two plus two is four"
+    core.first_step_tokens = 2  # the first step alone is not a speakable phrase
+    audio = np.concatenate([silence(0.3), tone_speech("what is two plus two"), silence(3.0)])
+    result = replay(core, clock, audio, COSTS)
+    t_commit = next(o.t for o in result.outputs if not isinstance(o.item, bytes) and o.item.type == "response.started")
+    held = "".join(o.item.delta for o in result.outputs
+                   if not isinstance(o.item, bytes) and o.item.type == "response.text.delta" and o.t == t_commit)
+    # the LLM kept going during the hangover until it had a speakable phrase (3 complete words)
+    assert held.split()[:3] == ["two", "plus", "two"]
+    assert decode_tones(result.audio(), 24000) == "two plus two is four".split()
