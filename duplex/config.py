@@ -32,7 +32,7 @@ class SessionOptions:
     min_speech_ms: int = 96
     barge_in_min_speech_ms: int = 96
     end_of_turn_silence_ms: int = 500
-    pre_roll_ms: int = 300
+    pre_roll_ms: int = 200
     partial_interval_ms: int = 500
     playout_lead_ms: int = 120
     max_history_turns: int = 12

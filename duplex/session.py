@@ -356,8 +356,8 @@ class SessionCore:
         seg = self.segment
         if seg is None or seg.ended or "asr" in self._busy or self.endpointer.paused:
             return
-        # keep partials to about a third of real time so a final rarely waits behind one
-        interval = max(self.options.partial_interval_ms / 1000, 3.0 * seg.last_partial_cost)
+        # keep partials to about a quarter of real time so a final rarely waits behind one
+        interval = max(self.options.partial_interval_ms / 1000, 4.0 * seg.last_partial_cost)
         if seg.total_samples - seg.last_transcribed >= SR * interval:
             self._submit_partial(seg)
 
