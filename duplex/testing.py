@@ -218,6 +218,18 @@ class ToneTts(SequentialBatchMixin[ToneTtsState, FakeTtsInput, list[FakeTtsChunk
         return chunks, ToneTtsState(rest)
 
 
+def scripted_answer(history: list[dict[str, str]]) -> str:
+    """A reply function for ScriptedLlm: Paris for capitals, a long story on request, else small talk."""
+    last = history[-1]["content"]
+    if "capital" in last:
+        return "paris is the capital of france"
+    if "two plus two" in last:
+        return "two plus two is four"
+    if "story" in last:
+        return "once upon a time there was a cat and it was very very good " * 4
+    return "i am fine thanks"
+
+
 def fake_stages(reply_fn: Callable[[list[dict[str, str]]], str]) -> Stages:
     """The tiny deterministic stage set used by the session-core tests."""
     return Stages(

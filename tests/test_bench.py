@@ -12,16 +12,9 @@ from duplex.bench import BenchError, format_table, percentiles, run_bench, trim_
 from duplex.config import load_profile
 from duplex.server import DuplexServer, ServerSettings
 from duplex.service import DuplexService
-from duplex.testing import VOCAB, fake_stages, tone_speech
+from duplex.testing import VOCAB, fake_stages, scripted_answer, tone_speech
 
-
-def answer(history: list[dict[str, str]]) -> str:
-    last = history[-1]["content"]
-    if "capital" in last:
-        return "paris is the capital of france"
-    if "story" in last:
-        return "once upon a time there was a cat and it was very very good " * 4
-    return "i am fine thanks"
+answer = scripted_answer
 
 
 def tone_synth(text: str) -> np.ndarray:

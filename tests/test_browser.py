@@ -30,7 +30,7 @@ from duplex.config import load_profile
 from duplex.server import DuplexServer, ServerSettings
 from duplex.service import DuplexService
 from duplex.session import SR
-from duplex.testing import fake_stages, tone_speech
+from duplex.testing import fake_stages, scripted_answer, tone_speech
 
 BROWSER_DIR = Path(__file__).parent / "browser"
 DRIVER = BROWSER_DIR / "run_browser.mjs"
@@ -56,13 +56,7 @@ pytestmark = [
 ]
 
 
-def answer(history):
-    last = history[-1]["content"]
-    if "capital" in last:
-        return "paris is the capital of france"
-    if "story" in last:
-        return "once upon a time there was a cat and it was very very good " * 4
-    return "i am fine thanks"
+answer = scripted_answer
 
 
 @contextlib.contextmanager

@@ -16,16 +16,9 @@ from duplex.config import load_profile
 from duplex.server import DuplexServer, ServerSettings
 from duplex.service import DuplexService, ServiceLimits
 from duplex.session import SR
-from duplex.testing import decode_tones, fake_stages, tone_speech
+from duplex.testing import decode_tones, fake_stages, scripted_answer, tone_speech
 
-
-def answer(history):
-    last = history[-1]["content"]
-    if "capital" in last:
-        return "paris is the capital of france"
-    if "story" in last:
-        return "once upon a time there was a cat and it was very very good " * 4
-    return "i am fine thanks"
+answer = scripted_answer
 
 
 @pytest.fixture
