@@ -139,16 +139,19 @@ async def test_talking_over_an_answer_stops_it_and_the_new_question_is_answered(
         await stream(ws, np.concatenate([silence(0.3), say("Tell me a long story about a dragon and a knight."), silence(0.8)]))
         await listener.wait_for("response.audio.started", limit_s=60)
         await stream(ws, silence(1.5))  # let it talk for a while
-        loop = asyncio.get_running_loop()
-        t_speak = loop.time()
         # a comma, not a full stop: hibari pauses 0.7 s after "Stop." (longer than the 500 ms
         # hangover), and telling a pause from an end of turn by meaning is the dialogue engine's job
-        await stream(ws, np.concatenate([say("Stop, what is two plus two?"), silence(1.2)]))
+        interruption = say("Stop, what is two plus two?")
+        lead_s = int(np.argmax(np.abs(interruption) > 0.02)) / SR  # the synthesiser's leading silence
+        loop = asyncio.get_running_loop()
+        t_speak = loop.time() + lead_s  # when the first speech sample is sent
+        await stream(ws, np.concatenate([interruption, silence(1.2)]))
         interrupted = await listener.wait_for("response.interrupted", limit_s=30)
         t_int = listener.time_of("response.interrupted")
         story_audio_times = [t for t, _ in listener.audio if t < t_int]
-        # the last frame of the story left the server within a few hundred ms of the user starting
-        assert story_audio_times[-1] - t_speak < 0.4
+        # the last frame of the story arrived within 300 ms of the user starting to speak (the
+        # target is 200 ms; here client and server share one process and its GIL)
+        assert story_audio_times[-1] - t_speak < 0.3
         # nothing of the story arrives after the interruption
         first_done = await listener.wait_for("response.done")
         assert first_done["status"] == "interrupted"
