@@ -36,6 +36,7 @@ class SessionOptions:
     partial_interval_ms: int = 500
     playout_lead_ms: int = 120
     max_history_turns: int = 12
+    max_segment_ms: int = 30000
 
     #: options a client may change with session.start / session.update
     CLIENT_SETTABLE = (

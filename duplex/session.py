@@ -190,6 +190,11 @@ class SessionCore:
             self.segment.pending.append(x)
             self.segment.total_samples += x.size
         self._vad_pending.append(x)
+        seg = self.segment
+        if seg is not None and not seg.ended and seg.total_samples > SR * self.options.max_segment_ms / 1000:
+            # an endless turn (a monologue, music, steady noise) would make every transcription slower
+            for edge in self.endpointer.force_end():
+                self._on_edge(edge)
         self._submit_vad()
         self._maybe_partial()
 

@@ -218,3 +218,13 @@ def test_speculation_continues_until_a_first_phrase_is_ready():
     # the LLM kept going during the hangover until it had a speakable phrase (3 complete words)
     assert held.split()[:3] == ["two", "plus", "two"]
     assert decode_tones(result.audio(), 24000) == "two plus two is four".split()
+
+
+def test_an_endless_turn_is_cut_at_max_segment_length():
+    core, clock, _ = make_core()
+    core.options = core.options.__class__(**{**core.options.__dict__, "max_segment_ms": 3000})
+    words = " ".join(["hello how are you"] * 8)  # ~7 s of speech without a pause
+    result = replay(core, clock, np.concatenate([silence(0.3), tone_speech(words), silence(2.0)]), COSTS)
+    stopped = result.events("speech.stopped")
+    assert stopped and stopped[0].t < 0.3 + 3.5  # ended at the cap, not at the end of the speech
+    assert result.events("transcript.final")[0].text.startswith("hello how are you")
