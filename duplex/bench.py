@@ -160,10 +160,11 @@ class HibariSynth:
     """
 
     def __init__(self, threads: int = 1, pause_s: float = 0.25) -> None:
-        from hibari import Hibari
+        from tts.hibari_tts import SAMPLE_RATE
+        from tts.hibari_tts import HibariSynth as ServiceVoice
 
-        self._tts = Hibari(threads=threads)
-        self.rate = int(getattr(self._tts, "sample_rate", 24000))
+        self._tts = ServiceVoice(threads=threads)
+        self.rate = SAMPLE_RATE
         self.pause_s = pause_s
         self._cache: dict[str, np.ndarray] = {}
 
@@ -176,7 +177,7 @@ class HibariSynth:
             for s in sentences:
                 if parts:
                     parts.append(np.zeros(int(SR * self.pause_s), np.float32))
-                audio = np.asarray(self._tts(s, seed=0), dtype=np.float32)
+                audio = self._tts.synthesize(s)
                 parts.append(trim_speech(resample(audio, self.rate, SR)))
             self._cache[text] = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         return self._cache[text]

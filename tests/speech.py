@@ -7,20 +7,18 @@ import functools
 import numpy as np
 
 from codec.resample import resample
-
-HIBARI_RATE = 24000
+from tts.hibari_tts import SAMPLE_RATE as HIBARI_RATE
+from tts.hibari_tts import HibariSynth
 
 
 @functools.cache
-def _hibari():  # noqa: ANN202 - hibari has no type hints
-    from hibari import Hibari
-
-    return Hibari(threads=1)
+def _voice(seed: int) -> HibariSynth:
+    return HibariSynth(threads=1, seed=seed)
 
 
 @functools.lru_cache(maxsize=256)
 def _synthesize(text: str, sample_rate: int, seed: int) -> np.ndarray:
-    audio = _hibari()(text, seed=seed)
+    audio = _voice(seed).synthesize(text)
     if sample_rate != HIBARI_RATE:
         audio = resample(audio, HIBARI_RATE, sample_rate)
     audio = np.ascontiguousarray(audio, dtype=np.float32)
