@@ -172,8 +172,7 @@ class DuplexServer:
                 raise ProtocolError("unsupported_sample_rate", f"sample_rate {rate!r} not supported; use one of {list(SUPPORTED_RATES)}")
             if options:
                 try:
-                    core.options = core.options.with_overrides(options)
-                    core.endpointer = core._new_endpointer()
+                    core.configure(options)
                 except ConfigError as exc:
                     raise ProtocolError("bad_option", str(exc)) from None
             resampler = None if rate == SR else StreamingResampler(rate, SR)

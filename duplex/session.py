@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from duplex.config import Profile, SessionOptions
+from duplex.config import ConfigError, Profile, SessionOptions
 from duplex.endpointing import Edge, Endpointer
 from duplex.events import (
     CLIENT_INPUT_END,
@@ -214,16 +214,19 @@ class SessionCore:
         else:
             self._error("unknown_event", f"unknown event type {kind!r}")
 
-    def update_options(self, overrides: dict[str, Any]) -> None:
-        from duplex.config import ConfigError
+    def configure(self, overrides: dict[str, Any]) -> None:
+        """Apply a client's per-session option deltas; raises ConfigError and changes nothing if bad."""
+        self.options = self.options.with_overrides(overrides)
+        self.endpointer.threshold = self.options.vad_threshold
+        self.endpointer.end_silence = int(SR * self.options.end_of_turn_silence_ms / 1000)
 
+    def update_options(self, overrides: dict[str, Any]) -> None:
+        """`session.update`: apply the deltas, answer with session.updated or an error event."""
         try:
-            self.options = self.options.with_overrides(overrides)
+            self.configure(overrides)
         except ConfigError as exc:
             self._error("bad_option", str(exc))
             return
-        self.endpointer.threshold = self.options.vad_threshold
-        self.endpointer.end_silence = int(SR * self.options.end_of_turn_silence_ms / 1000)
         self._emit(SessionUpdated, options={k: getattr(self.options, k) for k in SessionOptions.CLIENT_SETTABLE})
 
     def tick(self) -> None:

@@ -211,3 +211,16 @@ async def test_barge_in_over_the_wire_stops_audio(server):
         events, _ = await collect(ws, "response.done", limit_s=10)  # the answer to the new question
         assert events[-1]["text"] == "paris is the capital of france"
         await sender
+
+
+async def test_session_start_options_are_applied_and_reported(server):
+    async with connect(url(server)) as ws:
+        await ws.send(json.dumps({"type": "session.start", "sample_rate": 16000,
+                                  "options": {"end_of_turn_silence_ms": 700, "vad_threshold": 0.6}}))
+        started = json.loads(await ws.recv())
+        assert started["options"]["end_of_turn_silence_ms"] == 700 and started["options"]["vad_threshold"] == 0.6
+        core = server.service.sessions[started["session_id"]]
+        assert core.endpointer.end_silence == 16000 * 700 // 1000 and core.endpointer.threshold == 0.6
+    async with connect(url(server)) as ws:
+        await ws.send(json.dumps({"type": "session.start", "options": {"end_of_turn_silence_ms": "soon"}}))
+        assert json.loads(await ws.recv())["code"] == "bad_option"
