@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        logging.getLogger("websockets").setLevel(logging.WARNING)  # one line per HTTP request is noise
     return int(args.func(args) or 0)
 
 
