@@ -450,14 +450,19 @@ class Conversation:
         parts = " ".join(f"{k}={lat[k]:.0f}" for k in LATENCY_STAGES if isinstance(lat.get(k), (int, float)))
         return f"{label} {rec['text']!r} -> {rec.get('transcript', '')!r}: onset {rec['onset_s'] * 1000:.0f} ms  [server ms: {parts}]"
 
-    async def turn(self, trial: int, n: int, text: str, speech: np.ndarray) -> None:
+    async def _ask(self, kind: str, trial: int, text: str, speech: np.ndarray) -> dict[str, Any]:
+        """Speak `text` into the mic and record the answer it gets as one onset sample."""
         start = len(self.rx.log)
         utt = self.mic.say(text, speech)
         try:
-            rec = await self._answer(utt, "question", trial, start)
+            rec = await self._answer(utt, kind, trial, start)
         except TimeoutError:
-            rec = {"kind": "question", "trial": trial, "text": text, "ok": False, "error": "timed out"}
+            rec = {"kind": kind, "trial": trial, "text": text, "ok": False, "error": "timed out"}
         self.turns.append(rec)
+        return rec
+
+    async def turn(self, trial: int, n: int, text: str, speech: np.ndarray) -> None:
+        rec = await self._ask("question", trial, text, speech)
         await self._finish(rec)
         self.progress(self._line(rec, f"[turn {trial + 1}/{n}]"))
 
@@ -468,13 +473,7 @@ class Conversation:
                                      "wait_s": wait_s, "ok": False}
         self.barge_ins.append(trial_rec)
         label = f"[barge-in {trial + 1}/{n}]"
-        start = len(rx.log)
-        utt = self.mic.say(prompt, speech)
-        try:
-            rec = await self._answer(utt, "long", trial, start)
-        except TimeoutError:
-            rec = {"kind": "long", "trial": trial, "text": prompt, "ok": False, "error": "timed out"}
-        self.turns.append(rec)
+        rec = await self._ask("long", trial, prompt, speech)
         if not rec.get("ok"):
             trial_rec["error"] = f"long answer: {rec.get('error')}"
             await self._finish(rec)

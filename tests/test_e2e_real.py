@@ -6,6 +6,7 @@ Loads the embedded `cpu` profile once per module (Silero VAD, Moonshine, Qwen2.5
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 
@@ -110,11 +111,20 @@ class Listener:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
 
 
-async def test_spoken_question_gets_a_spoken_answer_that_mentions_paris(live, say, asr_model):
+@contextlib.asynccontextmanager
+async def session(live):
+    """A native-protocol session at 16 kHz with a Listener running beside it."""
     async with connect(f"ws://127.0.0.1:{live.port}/v1/duplex") as ws:
         await ws.send(json.dumps({"type": "session.start", "sample_rate": SR}))
         listener = Listener(ws)
         await listener.wait_for("session.started")
+        try:
+            yield ws, listener
+        finally:
+            listener.task.cancel()
+
+async def test_spoken_question_gets_a_spoken_answer_that_mentions_paris(live, say, asr_model):
+    async with session(live) as (ws, listener):
         await stream(ws, np.concatenate([silence(0.5), say("What is the capital of France?"), silence(1.0)]))
         final = await listener.wait_for("transcript.final")
         assert "capital" in final["text"].lower() and "france" in final["text"].lower()
@@ -128,14 +138,10 @@ async def test_spoken_question_gets_a_spoken_answer_that_mentions_paris(live, sa
         assert "paris" in heard.lower(), (heard, done["text"])
         latency = await listener.wait_for("turn.latency")
         assert {"end_of_turn", "final_transcript", "first_llm_token", "first_tts_chunk", "first_audio"} <= set(latency["stages"])
-        listener.task.cancel()
 
 
 async def test_talking_over_an_answer_stops_it_and_the_new_question_is_answered(live, say):
-    async with connect(f"ws://127.0.0.1:{live.port}/v1/duplex") as ws:
-        await ws.send(json.dumps({"type": "session.start", "sample_rate": SR}))
-        listener = Listener(ws)
-        await listener.wait_for("session.started")
+    async with session(live) as (ws, listener):
         await stream(ws, np.concatenate([silence(0.3), say("Tell me a long story about a dragon and a knight."), silence(0.8)]))
         await listener.wait_for("response.audio.started", limit_s=60)
         await stream(ws, silence(1.5))  # let it talk for a while
@@ -160,18 +166,13 @@ async def test_talking_over_an_answer_stops_it_and_the_new_question_is_answered(
         assert "two" in final["text"].lower() or "2" in final["text"]
         second = await listener.wait_for("response.done", count=2, limit_s=60)
         assert second["status"] == "completed" and second["text"]
-        listener.task.cancel()
 
 
 async def test_context_is_kept_across_turns(live, say):
-    async with connect(f"ws://127.0.0.1:{live.port}/v1/duplex") as ws:
-        await ws.send(json.dumps({"type": "session.start", "sample_rate": SR}))
-        listener = Listener(ws)
-        await listener.wait_for("session.started")
+    async with session(live) as (ws, listener):
         await stream(ws, np.concatenate([silence(0.3), say("Hello, my name is Anna."), silence(1.0)]))
         await listener.wait_for("response.done", limit_s=60)
         await stream(ws, silence(3.0))
         await stream(ws, np.concatenate([say("What is my name?"), silence(1.0)]))
         second = await listener.wait_for("response.done", count=2, limit_s=60)
         assert "anna" in second["text"].lower(), second["text"]
-        listener.task.cancel()
