@@ -88,6 +88,7 @@ class SessionRunner:
     # -- internals -----------------------------------------------------------------------
 
     def _flush(self) -> None:
+        """Hand the core's new jobs to the executor and its outputs to the writer; wake the ticker."""
         for job in self.core.take_jobs():
             try:
                 fut = self.executor.submit(job)
@@ -138,18 +139,7 @@ class SessionRunner:
             if self._closed:
                 return
             self.core.tick()
-            for item in self.core.take_outputs():
-                self._enqueue(item)
-            for job in self.core.take_jobs():
-                self._flush_job(job)
-
-    def _flush_job(self, job: Job) -> None:
-        try:
-            fut = self.executor.submit(job)
-        except RuntimeError as exc:
-            self.core.on_failure(job, exc)
-            return
-        fut.add_done_callback(lambda f, job=job: self._from_worker(job, f))
+            self._flush()
 
     async def _writer(self) -> None:
         while True:
