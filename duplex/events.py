@@ -130,12 +130,18 @@ class ErrorEvent(ServerEvent):
 CLIENT_SESSION_START = "session.start"
 CLIENT_SESSION_UPDATE = "session.update"
 CLIENT_RESPONSE_CANCEL = "response.cancel"
-CLIENT_PLAYOUT = "playout.position"  # optional: {"played_ms": N} from a client that knows
-CLIENT_INPUT_END = "input.end"  # optional: the client will send no more audio
+CLIENT_RESPONSE_TRUNCATE = "response.truncate"  # {"played_ms": N}: the client stopped playback there
+CLIENT_PLAYOUT = "playout.position"  # optional: {"played_ms": N} heard so far of the current answer
+CLIENT_INPUT_END = "input.end"  # optional: end the user's turn now (e.g. no more audio will follow)
+CLIENT_INPUT_CLEAR = "input.clear"  # drop the user's unfinished turn
+CLIENT_INPUT_TEXT = "input.text"  # {"text": "..."}: a typed user turn, answered at once
 CLIENT_EVENT_TYPES = (
     CLIENT_SESSION_START,
     CLIENT_SESSION_UPDATE,
     CLIENT_RESPONSE_CANCEL,
+    CLIENT_RESPONSE_TRUNCATE,
     CLIENT_PLAYOUT,
     CLIENT_INPUT_END,
+    CLIENT_INPUT_CLEAR,
+    CLIENT_INPUT_TEXT,
 )

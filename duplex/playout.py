@@ -70,25 +70,55 @@ class Playout:
         """The listener is still hearing (or about to hear) response audio."""
         return bool(self._chunks) or now < self._end
 
-    def played(self, now: float) -> tuple[float, str]:
-        """Seconds heard so far and the words they carried (a partly heard phrase is cut)."""
-        seconds = 0.0
-        words: list[str] = []
+    def played(self, now: float, cap: float | None = None) -> tuple[float, str]:
+        """Seconds heard so far and the words they carried (a partly heard phrase is cut).
+
+        `cap` (seconds) bounds the answer from above when the client knows better, e.g. a telephony
+        gateway whose playback marks show that its audio started later than the clock assumes.
+        """
+        timeline: list[tuple[float, str]] = []
         for chunk in [*self._done, *self._chunks]:
-            dur = chunk.duration(self.sr)
-            heard = min(max(now - chunk.start, 0.0), dur, chunk.sent / self.sr)
+            heard = min(max(now - chunk.start, 0.0), chunk.duration(self.sr), chunk.sent / self.sr)
             if heard <= 0:
                 break
-            seconds += heard
-            chunk_words = chunk.text.split()
-            n = len(chunk_words) if heard >= dur - 1e-6 else int(len(chunk_words) * heard / dur)
-            words.extend(chunk_words[:n])
-            if heard < dur - 1e-6:
+            timeline.append((heard, chunk.text))
+            if heard < chunk.duration(self.sr) - 1e-6:
+                # a partly heard chunk: scale its words by the fraction heard
+                timeline[-1] = (heard, _first_words(chunk.text, heard / chunk.duration(self.sr)))
                 break
-        return seconds, " ".join(words)
+        seconds = sum(d for d, _ in timeline)
+        if cap is not None and cap < seconds:
+            return heard_within(self.timeline(), cap)
+        return seconds, " ".join(t for _, t in timeline if t).strip()
+
+    def timeline(self) -> list[tuple[float, str]]:
+        """(duration seconds, text) of every chunk of the current response, queued or sent."""
+        return [(c.duration(self.sr), c.text) for c in [*self._done, *self._chunks]]
 
     def reset(self) -> None:
         """Forget everything (barge-in or a new response); unsent audio is dropped."""
         self._chunks.clear()
         self._done.clear()
         self._end = 0.0
+
+
+def _first_words(text: str, fraction: float) -> str:
+    words = text.split()
+    return " ".join(words[: int(len(words) * fraction)])
+
+
+def heard_within(timeline: list[tuple[float, str]], seconds: float) -> tuple[float, str]:
+    """Seconds and words of a (duration, text) timeline that fit in its first `seconds`."""
+    heard = 0.0
+    words: list[str] = []
+    for dur, text in timeline:
+        take = min(dur, max(seconds - heard, 0.0))
+        if take <= 0:
+            break
+        heard += take
+        if take >= dur - 1e-6:
+            words.extend(text.split())
+        else:
+            words.extend(_first_words(text, take / dur).split())
+            break
+    return heard, " ".join(words)

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import mimetypes
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from importlib import resources
@@ -73,7 +74,7 @@ def _static(name: str) -> tuple[bytes, str] | None:
     return path.read_bytes(), ctype
 
 
-def _http(status: HTTPStatus, body: bytes, ctype: str) -> Response:
+def http_response(status: HTTPStatus, body: bytes, ctype: str) -> Response:
     headers = Headers(
         [("Content-Type", ctype), ("Content-Length", str(len(body))), ("Cache-Control", "no-store")]
     )
@@ -87,7 +88,10 @@ class DuplexServer:
         self.service = service
         self.settings = settings or ServerSettings()
         self._server: Server | None = None
-        self.extra_routes: dict[str, Any] = {}  # path -> async handler(connection); other transports
+        # other transports mount themselves here: path -> async handler(connection), and optionally
+        # path -> check(request) run before the upgrade (return a Response to refuse, e.g. 403)
+        self.extra_routes: dict[str, Callable[[ServerConnection], Awaitable[None]]] = {}
+        self.extra_checks: dict[str, Callable[[Request], Response | None]] = {}
 
     async def start(self) -> Server:
         self._server = await serve(
@@ -119,20 +123,21 @@ class DuplexServer:
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
         if path == "/healthz":
-            return _http(HTTPStatus.OK, json.dumps(self.service.health()).encode(), "application/json")
+            return http_response(HTTPStatus.OK, json.dumps(self.service.health()).encode(), "application/json")
         if path == "/stats":
-            return _http(HTTPStatus.OK, json.dumps(self.service.stats()).encode(), "application/json")
+            return http_response(HTTPStatus.OK, json.dumps(self.service.stats()).encode(), "application/json")
         if path in (NATIVE_PATH, *self.extra_routes):
             if request.headers.get("Upgrade", "").lower() != "websocket":
-                return _http(HTTPStatus.UPGRADE_REQUIRED, b"WebSocket endpoint\n", "text/plain")
+                return http_response(HTTPStatus.UPGRADE_REQUIRED, b"WebSocket endpoint\n", "text/plain")
             if self.service.full():
-                return _http(HTTPStatus.SERVICE_UNAVAILABLE, b"server is at capacity, retry later\n", "text/plain")
-            return None
+                return http_response(HTTPStatus.SERVICE_UNAVAILABLE, b"server is at capacity, retry later\n", "text/plain")
+            check = self.extra_checks.get(path)
+            return check(request) if check is not None else None
         name = "index.html" if path == "/" else path.lstrip("/")
         found = _static(name)
         if found is None:
-            return _http(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
-        return _http(HTTPStatus.OK, found[0], found[1])
+            return http_response(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
+        return http_response(HTTPStatus.OK, found[0], found[1])
 
     # -- WebSocket -------------------------------------------------------------------------
 

@@ -31,9 +31,12 @@ import numpy as np
 from duplex.config import ConfigError, Profile, SessionOptions
 from duplex.endpointing import Edge, Endpointer
 from duplex.events import (
+    CLIENT_INPUT_CLEAR,
     CLIENT_INPUT_END,
+    CLIENT_INPUT_TEXT,
     CLIENT_PLAYOUT,
     CLIENT_RESPONSE_CANCEL,
+    CLIENT_RESPONSE_TRUNCATE,
     CLIENT_SESSION_UPDATE,
     ErrorEvent,
     Interrupted,
@@ -50,7 +53,7 @@ from duplex.events import (
     TurnLatency,
 )
 from duplex.executor import Job
-from duplex.playout import Playout
+from duplex.playout import Playout, heard_within
 from duplex.stage import StreamingStage
 
 log = logging.getLogger("duplex.session")
@@ -168,6 +171,10 @@ class SessionCore:
         self.segment: Segment | None = None
         self.response: Response | None = None
         self._finished_response: Response | None = None  # still playing out after completion
+        # the client's latest playout report: (turn id, ms heard, clock time of the report)
+        self._playout_report: tuple[int, float, float] | None = None
+        # the last answer that reached the history: (turn id, its audio timeline, its history entry)
+        self._last_spoken: tuple[int, list[tuple[float, str]], dict[str, str] | None] | None = None
         self.closed = False
 
     # -- inputs --------------------------------------------------------------------------
@@ -210,9 +217,66 @@ class SessionCore:
             for edge in self.endpointer.force_end():
                 self._on_edge(edge)
         elif kind == CLIENT_PLAYOUT:
-            pass  # the server-side playout clock is authoritative; reports are accepted for compatibility
+            played_ms = _ms(event.get("played_ms"))
+            if played_ms is None:
+                self._error("bad_event", "playout.position needs a number played_ms >= 0")
+                return
+            self._playout_report = (int(event.get("turn_id", self.turn_id)), played_ms, self.clock())
+        elif kind == CLIENT_RESPONSE_TRUNCATE:
+            played_ms = _ms(event.get("played_ms"))
+            if played_ms is None:
+                self._error("bad_event", "response.truncate needs a number played_ms >= 0")
+                return
+            self.truncate(played_ms / 1000.0, event.get("turn_id"))
+        elif kind == CLIENT_INPUT_CLEAR:
+            self.clear_input()
+        elif kind == CLIENT_INPUT_TEXT:
+            text = event.get("text")
+            if not isinstance(text, str) or not text.strip():
+                self._error("bad_event", "input.text needs a non-empty string text")
+                return
+            self.respond_to_text(text.strip())
         else:
             self._error("unknown_event", f"unknown event type {kind!r}")
+
+    def truncate(self, played_s: float, turn_id: Any = None) -> None:
+        """The client stopped playing the last answer after `played_s` seconds: stop sending its
+        audio, if any is left, and keep only the words heard in the history."""
+        turn = self._last_spoken[0] if self._last_spoken else None
+        playing = self.response if self.response is not None and self.response.committed else self._finished_response
+        if playing is not None and (turn_id is None or turn_id == playing.turn_id):
+            self._interrupt(status="interrupted", cap=played_s)
+            return
+        if self._last_spoken is None or (turn_id is not None and turn_id != turn):
+            self._error("bad_event", f"nothing to truncate for turn {turn_id!r}")
+            return
+        _, timeline, entry = self._last_spoken
+        _, words = heard_within(timeline, played_s)
+        if entry is not None and any(item is entry for item in self.history):
+            index = next(i for i, item in enumerate(self.history) if item is entry)
+            if words:
+                self.history[index] = {"role": "assistant", "content": words}
+                self._last_spoken = (turn or 0, timeline, self.history[index])
+            else:
+                del self.history[index]
+                self._last_spoken = (turn or 0, timeline, None)
+
+    def clear_input(self) -> None:
+        """Forget the user's unfinished turn (its audio and any answer being prepared for it)."""
+        if self.segment is not None and not self.segment.ended:
+            self.segment = None
+        self._drop_speculation()
+        self.endpointer = self._new_endpointer()
+
+    def respond_to_text(self, text: str) -> None:
+        """A typed user turn: answer it now, as if it had been spoken and transcribed."""
+        self.clear_input()
+        self.turn_id += 1
+        now = self.clock()
+        self._emit(TranscriptFinal, text=text)
+        resp = self._start_response(self.turn_id, text, committed=False)
+        resp.marks.update({"speech_end": now, "end_of_turn": now, "final_transcript": now})
+        self._commit_response(resp)
 
     def configure(self, overrides: dict[str, Any]) -> None:
         """Apply a client's per-session option deltas; raises ConfigError and changes nothing if bad."""
@@ -593,7 +657,9 @@ class SessionCore:
         text = resp.text.strip()
         if resp.committed:
             if text and status == "completed":
-                self.history.append({"role": "assistant", "content": text})
+                entry = {"role": "assistant", "content": text}
+                self.history.append(entry)
+                self._last_spoken = (resp.turn_id, self.playout.timeline(), entry)
                 self._trim_history()
             self._finished_response = resp if status == "completed" else None
             self._emit(
@@ -603,28 +669,40 @@ class SessionCore:
             if not resp.audio_started:
                 self._emit_latency(resp)
 
-    def _interrupt(self, status: str) -> None:
-        """Barge-in or cancel: stop audio now, keep only the words that were heard."""
+    def _interrupt(self, status: str, cap: float | None = None) -> None:
+        """Barge-in or cancel: stop audio now, keep only the words that were heard.
+
+        What was heard comes from the playout clock, bounded by `cap` seconds or by the client's
+        latest playout report (what it had played then, plus the time since)."""
         now = self.clock()
         resp = self.response if self.response is not None and self.response.committed else None
         target = resp or self._finished_response
         if target is None:
             return
-        played_s, played_text = self.playout.played(now)
+        report = self._playout_report
+        if report is not None and report[0] == target.turn_id:
+            bound = report[1] / 1000.0 + (now - report[2])
+            cap = bound if cap is None else min(cap, bound)
+        timeline = self.playout.timeline()
+        played_s, played_text = self.playout.played(now, cap)
         self.playout.reset()
+        self._playout_report = None
         self._emit(Interrupted, turn_id=target.turn_id, played_ms=int(1000 * played_s), played_text=played_text)
+        entry: dict[str, str] | None = None
         if resp is not None:
             self.response = None
             self._emit(ResponseDone, turn_id=resp.turn_id, status=status, text=resp.text.strip(), played_text=played_text)
             if played_text:
-                self.history.append({"role": "assistant", "content": played_text})
+                entry = {"role": "assistant", "content": played_text}
+                self.history.append(entry)
         else:
             # the response had finished generating but was still playing: truncate its history entry
             if self.history and self.history[-1]["role"] == "assistant":
                 if played_text:
-                    self.history[-1] = {"role": "assistant", "content": played_text}
+                    entry = self.history[-1] = {"role": "assistant", "content": played_text}
                 else:
                     self.history.pop()
+        self._last_spoken = (target.turn_id, timeline, entry)
         self._finished_response = None
         self._trim_history()
 
@@ -682,6 +760,13 @@ class SessionCore:
         order = ["end_of_turn", "final_transcript", "first_llm_token", "first_tts_chunk", "first_audio"]
         stages = {k: round(1000 * (resp.marks[k] - base), 1) for k in order if k in resp.marks}
         self._emit(TurnLatency, turn_id=resp.turn_id, stages=stages)
+
+
+def _ms(value: Any) -> float | None:
+    """A non-negative number of milliseconds from a client event, else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        return None
+    return float(value)
 
 
 def _slot(job: Job) -> str:

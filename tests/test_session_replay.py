@@ -228,3 +228,75 @@ def test_an_endless_turn_is_cut_at_max_segment_length():
     stopped = result.events("speech.stopped")
     assert stopped and stopped[0].t < 0.3 + 3.5  # ended at the cap, not at the end of the speech
     assert result.events("transcript.final")[0].text.startswith("hello how are you")
+
+
+def test_typed_turn_is_answered_and_joins_the_spoken_context():
+    core, clock, stages = make_core()
+    result = replay(core, clock, silence(0.5), COSTS, controls=[(0.1, {"type": "input.text", "text": "what is the capital of france"})])
+    assert result.events("transcript.final")[0].text == "what is the capital of france"
+    done = result.events("response.done")[0]
+    assert done.status == "completed" and done.text == "paris is the capital of france"
+    assert decode_tones(result.audio(), 24000) == "paris is the capital of france".split()
+    assert core.history[-2:] == [
+        {"role": "user", "content": "what is the capital of france"},
+        {"role": "assistant", "content": "paris is the capital of france"},
+    ]
+    for bad in ({"type": "input.text"}, {"type": "input.text", "text": "  "}):
+        core.receive_control(bad)
+    assert [e.code for e in core.take_outputs() if e.type == "error"] == ["bad_event", "bad_event"]
+
+
+def test_truncate_after_playback_keeps_only_the_words_the_client_played():
+    """A client that stops playback itself (OpenAI Realtime's conversation.item.truncate) tells the
+    server how much it played; the history keeps those words, whether audio is still being sent or not."""
+    core, clock, _ = make_core()
+    q = np.concatenate([silence(0.3), tone_speech("what is the capital of france")])
+    # after the answer has played out completely: 0.9 s of "paris is the capital of france" was heard
+    result = replay(core, clock, np.concatenate([q, silence(4.0)]), COSTS)
+    spoken = result.events("response.done")[0].text
+    core.receive_control({"type": "response.truncate", "played_ms": 900})
+    kept = core.history[-1]["content"]
+    assert spoken.startswith(kept) and 0 < len(kept.split()) < len(spoken.split())
+    # words per second of the tone voice: a word is 0.25 s + 0.05 s gap at most
+    assert len(kept.split()) <= 900 / 250
+    core.receive_control({"type": "response.truncate", "played_ms": 0})
+    assert core.history[-1]["role"] == "user"  # nothing heard: the answer leaves the context
+    # while it is still being sent: the audio stops and the same truncation applies
+    core, clock, _ = make_core()
+    q = np.concatenate([silence(0.3), tone_speech("tell me a story")])
+    result = replay(core, clock, np.concatenate([q, silence(4.0)]), COSTS,
+                    controls=[(len(q) / SR + 2.0, {"type": "response.truncate", "played_ms": 600})])
+    interrupted = result.events("response.interrupted")[0]
+    assert interrupted.played_ms <= 600 and interrupted.played_text
+    assert result.events("response.done")[0].status == "interrupted"
+    assert not [f for f in result.audio_frames() if f.t > interrupted.t + 0.001]
+    assert core.history[-1] == {"role": "assistant", "content": interrupted.played_text}
+
+
+def test_playout_reports_bound_what_counts_as_heard_at_barge_in():
+    """A gateway whose audio plays later than the server's clock assumes (network, jitter buffer)
+    reports its playout; at barge-in the context keeps no word the caller cannot have heard yet."""
+    def heard_at_barge_in(report_ms):
+        core, clock, _ = make_core()
+        q = np.concatenate([silence(0.3), tone_speech("tell me a story")])
+        t_barge = len(q) / SR + 3.0
+        audio = np.concatenate([q, silence(t_barge - len(q) / SR), tone_speech("stop"), silence(2.0)])
+        controls = [] if report_ms is None else [(t_barge - 0.05, {"type": "playout.position", "played_ms": report_ms})]
+        return replay(core, clock, audio, COSTS, controls=controls).events("response.interrupted")[0]
+
+    free, bounded = heard_at_barge_in(None), heard_at_barge_in(500)
+    assert bounded.played_ms < free.played_ms
+    assert bounded.played_ms <= 500 + 50 + 250  # the report, plus the time since, plus VAD lag
+    assert free.played_text.startswith(bounded.played_text) and len(bounded.played_text) < len(free.played_text)
+
+
+def test_input_clear_drops_the_unfinished_turn():
+    core, clock, _ = make_core()
+    speech = tone_speech("what is the capital of france")
+    audio = np.concatenate([silence(0.3), speech, silence(3.0)])
+    # cleared during the end-of-turn hangover, while the answer is being prepared speculatively
+    result = replay(core, clock, audio, COSTS, controls=[(0.3 + len(speech) / SR + 0.3, {"type": "input.clear"})])
+    assert len(result.events("speech.started")) == 1
+    assert not result.events("response.started")
+    assert not result.events("transcript.final")
+    assert core.history == []
