@@ -118,6 +118,15 @@ class TurnLatency(ServerEvent):
 
 
 @dataclass(frozen=True)
+class DtmfReceived(ServerEvent):
+    """A telephone keypad digit from a telephony gateway (0-9, *, #, A-D)."""
+
+    type: ClassVar[str] = "input.dtmf"
+    digit: str = ""
+    source: str = ""  # the transport: "twilio", "audiosocket"
+
+
+@dataclass(frozen=True)
 class ErrorEvent(ServerEvent):
     """Something the client sent was refused, or a stage failed; the session goes on."""
 

@@ -1,6 +1,6 @@
 """End to end with the real packaged models: speech synthesised at test time, over the WebSocket.
 
-Loads the embedded `cpu` profile once per module (Silero VAD, Moonshine, Qwen2.5-0.5B, hibari).
+Uses the `live` fixture (tests/conftest.py): the embedded `cpu` profile loaded once per run (Silero VAD, Moonshine, Qwen2.5-0.5B, hibari).
 """
 
 from __future__ import annotations
@@ -8,42 +8,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 
 import numpy as np
 import pytest
 from websockets.asyncio.client import connect
 
 from codec.resample import resample
-from duplex.server import DuplexServer, ServerSettings
-from duplex.service import DuplexService, ServiceLimits
 from duplex.session import SR
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def live():
-    """The real service on a free port, served from its own thread and event loop."""
-    service = DuplexService.load("cpu", progress=False, limits=ServiceLimits(max_sessions=4))
-    loop = asyncio.new_event_loop()
-    server = DuplexServer(service, ServerSettings(host="127.0.0.1", port=0))
-    ready = threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(server.start())
-        ready.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(60)
-    yield server
-    asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    service.close()
 
 
 @pytest.fixture(scope="module")
