@@ -23,8 +23,6 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from codec.pcm import pcm16_to_float
-from codec.resample import StreamingResampler
 from duplex.config import ConfigError
 from duplex.events import (
     CLIENT_EVENT_TYPES,
@@ -36,6 +34,7 @@ from duplex.events import (
 from duplex.runner import SessionRunner
 from duplex.service import CapacityError, DuplexService
 from duplex.session import SR
+from duplex.transport import AudioFormatError, AudioIn
 
 log = logging.getLogger("duplex.server")
 
@@ -164,15 +163,14 @@ class DuplexServer:
                 await ws.send(json.dumps(item.to_wire()))
 
         runner = SessionRunner(core, self.service.executor, send)
-        resampler: StreamingResampler | None = None
-        resample_state: Any = None
+        audio_in: AudioIn | None = None
         started = False
 
         def error(code: str, message: str) -> None:
             runner.emit(ErrorEvent(session_id=sid, turn_id=core.turn_id, t=core.clock(), code=code, message=message))
 
         def begin(rate: int, options: dict[str, Any]) -> None:
-            nonlocal resampler, resample_state, started
+            nonlocal audio_in, started
             if rate not in SUPPORTED_RATES:
                 raise ProtocolError("unsupported_sample_rate", f"sample_rate {rate!r} not supported; use one of {list(SUPPORTED_RATES)}")
             if options:
@@ -180,8 +178,7 @@ class DuplexServer:
                     core.configure(options)
                 except ConfigError as exc:
                     raise ProtocolError("bad_option", str(exc)) from None
-            resampler = None if rate == SR else StreamingResampler(rate, SR)
-            resample_state = resampler.init_state() if resampler else None
+            audio_in = AudioIn(rate)  # PCM16 at the client's rate -> 16 kHz, nothing held back
             started = True
             runner.emit(
                 SessionStarted(
@@ -202,11 +199,11 @@ class DuplexServer:
                     if isinstance(message, bytes):
                         if not started:
                             begin(SR, {})  # audio first: the defaults (16 kHz)
-                        if len(message) % 2:
-                            raise ProtocolError("bad_audio", f"audio frame of {len(message)} bytes: PCM16 needs an even byte count")
-                        samples = pcm16_to_float(message)
-                        if resampler is not None:
-                            samples, resample_state = resampler.step(resample_state, samples)
+                        assert audio_in is not None
+                        try:
+                            samples = audio_in.decode(message)
+                        except AudioFormatError as exc:
+                            raise ProtocolError("bad_audio", f"audio frame: {exc}") from None
                         runner.feed_audio(samples)
                     else:
                         event = self._parse(message)

@@ -15,7 +15,7 @@ import numpy as np
 
 from codec.g711 import alaw_to_float, float_to_alaw, float_to_ulaw, ulaw_to_float
 from codec.pcm import float_to_pcm16, pcm16_to_float
-from codec.resample import StreamingResampler
+from codec.resample import LowLatencyResampler
 from duplex.runner import Output, SessionRunner
 from duplex.service import DuplexService
 from duplex.session import SR
@@ -29,14 +29,17 @@ class AudioFormatError(ValueError):
 
 
 class AudioIn:
-    """Wire audio (`encoding` at `rate`) -> 16 kHz float32 for the session core, as a stream."""
+    """Wire audio (`encoding` at `rate`) -> 16 kHz float32 for the session core, as a stream.
+
+    Resampling holds nothing back (`LowLatencyResampler`: ~1-2 ms group delay), so a transport
+    adds no buffering latency of its own."""
 
     def __init__(self, rate: int, encoding: str = "pcm16") -> None:
         if encoding not in ENCODINGS:
             raise AudioFormatError(f"unknown audio encoding {encoding!r}; use one of {sorted(ENCODINGS)}")
         self.rate = rate
         self.encoding = encoding
-        self._resampler = None if rate == SR else StreamingResampler(rate, SR)
+        self._resampler = None if rate == SR else LowLatencyResampler(rate, SR)
         self._state = self._resampler.init_state() if self._resampler else None
 
     def decode(self, payload: bytes) -> np.ndarray:
@@ -62,7 +65,7 @@ class AudioOut:
         self.rate = rate
         self.encoding = encoding
         self.bytes_per_sample = ENCODINGS[encoding]
-        self._resampler = None if rate == source_rate else StreamingResampler(source_rate, rate)
+        self._resampler = None if rate == source_rate else LowLatencyResampler(source_rate, rate)
         self._state = self._resampler.init_state() if self._resampler else None
 
     def encode(self, pcm16: bytes) -> bytes:
@@ -76,7 +79,7 @@ class AudioOut:
         return float_to_alaw(x)
 
     def reset(self) -> None:
-        """Drop what the resampler holds (after a barge-in the old answer must not leak)."""
+        """Forget the filter history (after a barge-in the next answer starts clean)."""
         if self._resampler is not None:
             self._state = self._resampler.init_state()
 
