@@ -204,9 +204,12 @@ class Mic:
     event loop catches up at once (a device buffer would too) and the worst lag is recorded.
     """
 
-    def __init__(self, ws: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, ws: Any, loop: asyncio.AbstractEventLoop,
+                 send: Callable[[np.ndarray], Any] | None = None) -> None:
         self.ws = ws
         self.loop = loop
+        # how a frame leaves: PCM16 bytes on the native WebSocket, or a transport link's own `send`
+        self._send = send if send is not None else (lambda frame: ws.send(to_pcm16(frame)))
         self.frames_sent = 0
         self.max_lag_s = 0.0
         self._buf = np.zeros(0, np.float32)
@@ -244,7 +247,7 @@ class Mic:
             else:
                 chunk = silence
             t_sent = self.loop.time()
-            await self.ws.send(to_pcm16(chunk))
+            await self._send(chunk)
             end = (self.frames_sent + 1) * FRAME_SAMPLES
             self.frames_sent += 1
             if self._marks and self._marks[0][0] < end:
@@ -934,18 +937,20 @@ def plot_results(result: dict[str, Any], path: str | Path) -> None:
 
 
 class InProcessServer:
-    """A DuplexServer on a free port, in a daemon thread running its own event loop."""
+    """Every transport of `duplex serve` (AudioSocket on a free port too), in a daemon thread with its own loop."""
 
     def __init__(self, service: Any, host: str = "127.0.0.1") -> None:
         self.service = service
         self.host = host
         self.port = 0
+        self.audiosocket: tuple[str, int] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: Any = None
+        self._gateway: Any = None
         self._thread: threading.Thread | None = None
 
     def start(self, timeout: float = 30.0) -> str:
-        from duplex.server import DuplexServer, ServerSettings
+        from duplex.gateway import Gateway, GatewaySettings
+        from duplex.server import ServerSettings
 
         ready = threading.Event()
         failure: list[BaseException] = []
@@ -954,9 +959,11 @@ class InProcessServer:
             loop = asyncio.new_event_loop()
             self._loop = loop
             try:
-                self._server = DuplexServer(self.service, ServerSettings(host=self.host, port=0))
-                loop.run_until_complete(self._server.start())
-                self.port = self._server.port
+                settings = GatewaySettings(http=ServerSettings(host=self.host, port=0), audiosocket=(self.host, 0))
+                self._gateway = Gateway(self.service, settings)
+                loop.run_until_complete(self._gateway.start())
+                self.port = self._gateway.port
+                self.audiosocket = (self.host, self._gateway.audiosocket.port)
             except BaseException as exc:  # reported to the caller
                 failure.append(exc)
                 ready.set()
@@ -975,10 +982,10 @@ class InProcessServer:
         return f"ws://{self.host}:{self.port}/v1/duplex"
 
     def stop(self) -> None:
-        loop, server = self._loop, self._server
-        if loop is not None and server is not None and loop.is_running():
+        loop, gateway = self._loop, self._gateway
+        if loop is not None and gateway is not None and loop.is_running():
             with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+                asyncio.run_coroutine_threadsafe(gateway.close(), loop).result(10)
             loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -986,19 +993,43 @@ class InProcessServer:
 
 def main(args: argparse.Namespace) -> int:
     """`duplex bench`: see the module docstring."""
-    if args.turns < 0 or args.barge_ins < 0 or args.turns + args.barge_ins == 0:
+    transports = _transports(getattr(args, "transport", None))
+    if transports is None:
+        print("duplex bench: --transport takes 'all' or a comma list of native, twilio, audiosocket, realtime",
+              file=sys.stderr)
+        return 2
+    if not transports and (args.turns < 0 or args.barge_ins < 0 or args.turns + args.barge_ins == 0):
         print("duplex bench: --turns and --barge-ins must be >= 0 and not both 0", file=sys.stderr)
         return 2
+    tones = bool(getattr(args, "tones", False))
+    if tones and not (args.serve and transports):
+        print("duplex bench: --tones needs --serve and --transport (it measures the adapters alone)", file=sys.stderr)
+        return 2
     url = args.url
+    audiosocket = None
+    if getattr(args, "audiosocket", None):
+        from duplex.gateway import parse_host_port
+
+        try:
+            audiosocket = parse_host_port(args.audiosocket)
+        except ValueError as exc:
+            print(f"duplex bench: --audiosocket: {exc}", file=sys.stderr)
+            return 2
     server: InProcessServer | None = None
     service: Any = None
     if args.serve:
-        from duplex.config import ConfigError
+        from duplex.config import ConfigError, load_profile
         from duplex.service import DuplexService
 
-        print("duplex bench: loading the service in this process (--serve) ...", flush=True)
         try:
-            service = DuplexService.load(args.profile)
+            if tones:
+                from duplex.testing import fake_stages, scripted_answer
+
+                print("duplex bench: tone stages in this process (--tones): the adapters' own cost, no models")
+                service = DuplexService(load_profile(args.profile), fake_stages(scripted_answer))
+            else:
+                print("duplex bench: loading the service in this process (--serve) ...", flush=True)
+                service = DuplexService.load(args.profile)
         except (ConfigError, RuntimeError, ValueError) as exc:
             print(f"duplex bench: cannot load models: {exc}", file=sys.stderr)
             print("hint: `duplex models` shows what is missing and how to fix it", file=sys.stderr)
@@ -1010,8 +1041,11 @@ def main(args: argparse.Namespace) -> int:
             print(f"duplex bench: {exc}", file=sys.stderr)
             service.close()
             return 2
+        audiosocket = audiosocket or server.audiosocket
         print(f"duplex bench: serving on {url} (in-process; for clean timings run `duplex serve` separately)")
     try:
+        if transports:
+            return _bench_transports(url, transports, audiosocket, args, tones)
         result = asyncio.run(run_bench(url, args.turns, args.barge_ins, out_dir=args.out))
     except BenchError as exc:
         print(f"duplex bench: {exc}", file=sys.stderr)
@@ -1029,3 +1063,49 @@ def main(args: argparse.Namespace) -> int:
     print(f"\nwrote {Path(args.out) / 'bench.json'} and {Path(args.out) / 'bench.png'}")
     s = result["summary"]
     return 1 if (s["turns_failed"] or s["barge_ins_failed"] or s["leaked_frames_total"]) else 0
+
+
+def _transports(value: str | None) -> list[str] | None:
+    """--transport: None/'' -> [] (the classic bench); 'all' or a comma list; None when invalid."""
+    from duplex.bench_transport import TRANSPORTS
+
+    if not value:
+        return []
+    names = list(TRANSPORTS) if value == "all" else [v.strip() for v in value.split(",") if v.strip()]
+    if not names or any(n not in TRANSPORTS for n in names):
+        return None
+    if len(names) > 1 and "native" not in names:
+        names.insert(0, "native")  # the baseline the adapters are compared with
+    return list(dict.fromkeys(names))
+
+
+def _bench_transports(url: str, transports: list[str], audiosocket: tuple[str, int] | None,
+                      args: argparse.Namespace, tones: bool) -> int:
+    from duplex.bench_transport import (
+        format_transport_table,
+        plot_transport_results,
+        run_transport_bench,
+        synthesise_prompts,
+        write_transport_outputs,
+    )
+
+    base = url.split("/v1/", 1)[0]
+    prompts = list(QUESTIONS[: max(1, args.turns)])
+    if tones:
+        from duplex.testing import tone_speech
+
+        prompts = ["what is the capital of france", "what is two plus two", "hello how are you"]
+        speech = {p: tone_speech(p) for p in prompts}
+    else:
+        print("loading hibari for the prompts ...", flush=True)
+        speech = synthesise_prompts(prompts, HibariSynth())
+    rounds = max(1, args.rounds)
+    result = asyncio.run(run_transport_bench(base, transports, prompts, speech, audiosocket=audiosocket, rounds=rounds))
+    result["settings"] = {"url": url, "transports": transports, "prompts": prompts, "rounds": rounds,
+                          "tones": tones, "audiosocket": audiosocket, "started_at": time.time()}
+    path = write_transport_outputs(result, args.out)
+    png = plot_transport_results(result, Path(args.out) / "bench-transport.png")
+    print()
+    print(format_transport_table(result))
+    print(f"\nwrote {path} and {png}")
+    return 1 if any(row["failed"] for row in result["transports"].values()) else 0

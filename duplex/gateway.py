@@ -91,7 +91,7 @@ class Gateway:
             allowed = self.settings.audiosocket_uuids
             lines.append(
                 f"tcp://{self.settings.audiosocket[0]}:{self.audiosocket.port}  (Asterisk AudioSocket, "  # type: ignore[index]
-                + (f"{len(allowed)} allowed call UUIDs)" if allowed else "any call UUID)")
+                + (f"{len(allowed)} allowed call UUIDs)" if allowed is not None else "any call UUID)")
             )
         return lines
 

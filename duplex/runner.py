@@ -81,9 +81,15 @@ class SessionRunner:
         self.core.close()
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        # bounded: a transport's send that swallowed the cancel must not hang the session forever
+        if not self._tasks:
+            return
+        done, stuck = await asyncio.wait(self._tasks, timeout=5.0)
+        for task in done:
+            if not task.cancelled():
+                task.exception()  # retrieved: the tasks log their own failures
+        for task in stuck:
+            log.warning("session %s: task %s did not stop within 5 s", self.core.session_id, task.get_name())
 
     # -- internals -----------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from duplex.gateway import Gateway, GatewaySettings
 from duplex.server import DuplexServer, ServerSettings
 from duplex.service import DuplexService, ServiceLimits
 
@@ -18,9 +19,17 @@ from duplex.service import DuplexService, ServiceLimits
 class Live:
     """A running server on the real models, served from its own thread and event loop."""
 
-    server: DuplexServer
+    gateway: Gateway
     service: DuplexService
     loop: asyncio.AbstractEventLoop
+
+    @property
+    def server(self) -> DuplexServer:
+        return self.gateway.server
+
+    @property
+    def audiosocket_port(self) -> int:
+        return self.gateway.audiosocket.port
 
     @property
     def port(self) -> int:
@@ -33,10 +42,12 @@ class Live:
 
 @pytest.fixture(scope="session")
 def live():
-    """The real `cpu` profile (Silero VAD, Moonshine, Qwen2.5-0.5B, hibari) on a free port."""
+    """The real `cpu` profile (Silero VAD, Moonshine, Qwen2.5-0.5B, hibari) behind every transport of
+    `duplex serve` (native, Twilio, Realtime on one free port; AudioSocket on another)."""
     service = DuplexService.load("cpu", progress=False, limits=ServiceLimits(max_sessions=4))
     loop = asyncio.new_event_loop()
-    server = DuplexServer(service, ServerSettings(host="127.0.0.1", port=0))
+    server = Gateway(service, GatewaySettings(http=ServerSettings(host="127.0.0.1", port=0),
+                                              audiosocket=("127.0.0.1", 0)))
     ready = threading.Event()
 
     def run():
