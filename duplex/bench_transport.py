@@ -376,7 +376,7 @@ def _diff(a: float | None, b: float | None) -> float | None:
 
 
 def format_transport_table(result: dict[str, Any]) -> str:
-    lines = ["transport     n   onset P50   P90     P99   | vs native: P50 diff  paired median (P10..P90)"]
+    lines = ["transport     n   onset P50   P90     P99   | vs native: P50 diff  median of paired diffs"]
     for name, row in result["transports"].items():
         o = row["onset_s"]
         cells = [f"{name:11s}", f"{o['n']:3d}"] + [

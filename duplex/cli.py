@@ -1,4 +1,4 @@
-"""The `duplex` command: serve, models, bench."""
+"""The `duplex` command: serve, talk, models, bench."""
 
 from __future__ import annotations
 
@@ -9,10 +9,27 @@ import sys
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
+    import uuid
+
     from duplex.config import ConfigError
-    from duplex.server import ServerSettings, run_server
+    from duplex.gateway import GatewaySettings, parse_host_port, run_gateway
+    from duplex.server import ServerSettings
     from duplex.service import DuplexService, ServiceLimits
 
+    audiosocket = None
+    uuids: list[uuid.UUID] | None = None
+    try:
+        if args.audiosocket:
+            audiosocket = parse_host_port(args.audiosocket)
+        if args.audiosocket_uuid:
+            uuids = [uuid.UUID(u) for u in args.audiosocket_uuid]
+    except ValueError as exc:
+        print(f"duplex serve: --audiosocket: {exc}", file=sys.stderr)
+        return 2
+    if uuids and audiosocket is None:
+        print("duplex serve: --audiosocket-uuid needs --audiosocket HOST:PORT", file=sys.stderr)
+        return 2
     try:
         service = DuplexService.load(
             args.profile, progress=True, limits=ServiceLimits(max_sessions=args.max_sessions, bulk_workers=args.workers)
@@ -21,9 +38,15 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"duplex serve: cannot load models: {exc}", file=sys.stderr)
         print("hint: `duplex models` shows what is missing and how to fix it", file=sys.stderr)
         return 2
-    settings = ServerSettings(host=args.host, port=args.port, origins=tuple(args.origin) if args.origin else None)
+    settings = GatewaySettings(
+        http=ServerSettings(host=args.host, port=args.port, origins=tuple(args.origin) if args.origin else None),
+        twilio_auth_token=args.twilio_auth_token or os.environ.get("TWILIO_AUTH_TOKEN") or None,
+        public_url=args.public_url,
+        audiosocket=audiosocket,
+        audiosocket_uuids=uuids,
+    )
     try:
-        asyncio.run(run_server(service, settings))
+        asyncio.run(run_gateway(service, settings))
     except KeyboardInterrupt:
         pass
     finally:
@@ -44,6 +67,12 @@ def _models(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _talk(args: argparse.Namespace) -> int:
+    from clients.talk import run
+
+    return run(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from duplex.bench import main as bench_main
 
@@ -62,7 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-sessions", type=int, default=8)
     s.add_argument("--workers", type=int, default=1, help="bulk executor worker threads (ASR/LLM/TTS)")
     s.add_argument("--origin", action="append", help="allowed browser Origin (repeatable); default: any")
+    s.add_argument("--twilio-auth-token", default=None,
+                   help="validate X-Twilio-Signature on /v1/twilio (default: $TWILIO_AUTH_TOKEN; unset: not checked)")
+    s.add_argument("--public-url", default=None,
+                   help="the wss:// base URL Twilio connects to, when behind a proxy (it is what Twilio signs)")
+    s.add_argument("--audiosocket", metavar="HOST:PORT", default=None,
+                   help="also accept Asterisk AudioSocket calls on this TCP address (bind it privately)")
+    s.add_argument("--audiosocket-uuid", action="append", metavar="UUID",
+                   help="accept only AudioSocket calls with this UUID (repeatable); default: any")
     s.set_defaults(func=_serve)
+
+    t = sub.add_parser("talk", help="talk to a server from this terminal: microphone, speaker, live transcript")
+    from clients.talk import add_arguments as add_talk_arguments
+
+    add_talk_arguments(t)
+    t.set_defaults(func=_talk)
 
     m = sub.add_parser("models", help="list, verify and prepare the models of a profile")
     m.add_argument("--profile", default=None)
@@ -77,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
     b.add_argument("--serve", action="store_true", help="start a server in this process first")
     b.add_argument("--profile", default=None)
+    b.add_argument("--transport", default=None, metavar="NAMES",
+                   help="onset through transports instead: 'all' or a comma list of native,twilio,audiosocket,realtime"
+                        " (same prompts, interleaved; native is always included as the baseline)")
+    b.add_argument("--rounds", type=int, default=1, help="with --transport: how many times to ask every prompt")
+    b.add_argument("--audiosocket", metavar="HOST:PORT", default=None,
+                   help="with --transport audiosocket against a running server: its AudioSocket address")
+    b.add_argument("--tones", action="store_true",
+                   help="with --serve --transport: tone stages instead of models, to measure the adapters alone")
     b.set_defaults(func=_bench)
     return p
 
