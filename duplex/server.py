@@ -7,8 +7,6 @@ It holds no dialogue logic. The protocol is documented in docs/protocol.md.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import mimetypes
@@ -247,17 +245,3 @@ class DuplexServer:
             raise ProtocolError("unknown_event", f"unknown event type {event['type']!r}; known: {list(CLIENT_EVENT_TYPES)}")
         return event
 
-
-async def run_server(service: DuplexService, settings: ServerSettings, ready: asyncio.Event | None = None) -> None:
-    """Serve until cancelled (Ctrl-C / SIGTERM)."""
-    server = DuplexServer(service, settings)
-    await server.start()
-    log.info("serving on http://%s:%d  (WebSocket %s)", settings.host, server.port, NATIVE_PATH)
-    print(f"duplex: listening on http://{settings.host}:{server.port}/  (WebSocket ws://{settings.host}:{server.port}{NATIVE_PATH})", flush=True)
-    if ready is not None:
-        ready.set()
-    try:
-        await asyncio.Future()
-    finally:
-        with contextlib.suppress(Exception):
-            await server.close()
