@@ -444,10 +444,13 @@ async def test_live_barge_in_gets_through_the_echo_canceller(server):
 
     live = await converse(server, room, "aec", until, limit_s=20)
     finals = [e["text"] for e in events(live, "transcript.final")]
-    assert finals == ["tell me a story", "stop what is two plus two"]
-    assert [e["status"] for e in events(live, "response.done")] == ["interrupted", "completed"]
+    statuses = [e["status"] for e in events(live, "response.done")]
     words = decode_tones(room.played(), 48000)
-    assert 2 <= words.index("two") < 12 and words[words.index("two") :] == "two plus two is four".split()
+    context = (finals, statuses, words)  # what to look at if this ever fails again
+    assert finals == ["tell me a story", "stop what is two plus two"], context
+    assert statuses == ["interrupted", "completed"], context
+    assert "two" in words, context
+    assert 2 <= words.index("two") < 12 and words[words.index("two") :] == "two plus two is four".split(), context
 
 
 async def test_live_reports_a_lost_server(server):
