@@ -759,11 +759,7 @@ async def run_bench(
         except ConnectionError as exc:
             raise BenchError(f"lost the connection to {url} during the run: {exc}") from None
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_tasks(tasks)
         with contextlib.suppress(Exception):
             await ws_cm.__aexit__(None, None, None)
     wall_s = loop.time() - t0
@@ -934,6 +930,15 @@ def plot_results(result: dict[str, Any], path: str | Path) -> None:
 
 
 # -- in-process server (--serve) ---------------------------------------------------------
+
+
+async def cancel_tasks(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancel the client's background tasks (mic, receivers) and wait until they have stopped."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(BaseException):
+            await t
 
 
 class InProcessServer:

@@ -29,7 +29,7 @@ import numpy as np
 from codec.g711 import float_to_ulaw, ulaw_to_float
 from codec.pcm import float_to_pcm16, pcm16_to_float
 from codec.resample import LowLatencyResampler
-from duplex.bench import SR, BenchError, Mic, Progress, percentiles, trim_speech
+from duplex.bench import SR, BenchError, Mic, Progress, cancel_tasks, percentiles, trim_speech
 
 TRANSPORTS = ("native", "twilio", "audiosocket", "realtime")
 AUDIBLE_RMS = 1e-3  # answer audio below this is silence padding, not the answer starting
@@ -337,11 +337,7 @@ async def run_transport_bench(
                     await _until_quiet(link)
                     await asyncio.sleep(0.3)
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_tasks(tasks)
         for link in links:
             await link.close()
     return summarise(samples)

@@ -32,7 +32,7 @@ from duplex.events import (
 from duplex.runner import SessionRunner
 from duplex.service import CapacityError, DuplexService
 from duplex.session import SR
-from duplex.transport import AudioFormatError, AudioIn
+from duplex.transport import AudioFormatError, AudioIn, open_session
 
 log = logging.getLogger("duplex.server")
 
@@ -146,21 +146,26 @@ class DuplexServer:
         await self._handle_native(ws)
 
     async def _handle_native(self, ws: ServerConnection) -> None:
-        try:
-            core = self.service.open_session()
-        except CapacityError as exc:
-            await ws.close(CLOSE_OVERLOAD, str(exc))
-            return
-        sid = core.session_id
-        log.info("session %s opened from %s", sid, ws.remote_address)
-
         async def send(item: ServerEvent | bytes) -> None:
             if isinstance(item, bytes):
                 await ws.send(item)
             else:
                 await ws.send(json.dumps(item.to_wire()))
 
-        runner = SessionRunner(core, self.service.executor, send)
+        try:
+            async with open_session(self.service, send) as runner:
+                log.info("session %s opened from %s", runner.core.session_id, ws.remote_address)
+                try:
+                    await self._serve_native(ws, runner)
+                finally:
+                    log.info("session %s closed", runner.core.session_id)
+        except CapacityError as exc:
+            await ws.close(CLOSE_OVERLOAD, str(exc))
+
+    async def _serve_native(self, ws: ServerConnection, runner: SessionRunner) -> None:
+        """The native protocol over one connection, until it closes (the session is open and started)."""
+        core = runner.core
+        sid = core.session_id
         audio_in: AudioIn | None = None
         started = False
 
@@ -190,7 +195,6 @@ class DuplexServer:
                 )
             )
 
-        await runner.start()
         try:
             async for message in ws:
                 try:
@@ -226,10 +230,6 @@ class DuplexServer:
                     break
         except ConnectionClosed:
             pass
-        finally:
-            await runner.close()
-            self.service.close_session(sid)
-            log.info("session %s closed", sid)
 
     @staticmethod
     def _parse(message: str) -> dict[str, Any]:
