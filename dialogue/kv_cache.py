@@ -1,0 +1,263 @@
+"""Per-session KV cache with attention sinks, a rolling window and rollback (StreamingLLM).
+
+A full-duplex session never ends on its own, so a cache that keeps every token grows without
+bound in memory and in attention cost per decoded token. StreamingLLM (Xiao et al., 2023) shows
+that a decoder stays fluent if it keeps the first few tokens (the "attention sinks": softmax dumps
+its excess mass there, so dropping them breaks the model) plus a window of the most recent ones.
+transformers v5 removed `SinkCache`, so this module implements the policy on top of a plain
+`DynamicCache`.
+
+Positions are cache-relative: a token fed while the cache holds L tokens gets position L, so the
+model never sees a position beyond `sink_tokens + window_tokens` (no extrapolation past the trained
+context, however long the call runs). Evicting k tokens after the sinks therefore moves every kept
+window token k positions down. The cache stores keys *after* RoPE, and RoPE is a rotation whose
+angles add, so re-rotating a stored key by -k positions gives exactly the key the model would have
+produced at its new position; values carry no position and are kept as they are. The first
+layer's keys/values (which depend only on token and position) are then, up to float rounding,
+those of a fresh prefill of the kept `ids`. Deeper layers keep what each token computed while it
+still saw the now-evicted context: that is StreamingLLM's behaviour (the evicted context lives on
+in them) and much cheaper than re-prefilling the window; so with more than one layer the logits
+after an eviction differ from those of a fresh prefill of `ids`, by design.
+
+Eviction happens in multiples of `evict_chunk` so the O(window) re-rotation and copy is paid once
+per chunk of tokens instead of once per token.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+@dataclass
+class LmCache:
+    """One session's cache. Invariant: `cache` holds exactly the keys/values of `ids`, in order."""
+
+    cache: DynamicCache
+    #: token ids now in the cache (sinks, then the window); len(ids) == cache.get_seq_length()
+    ids: list[int]
+    #: tokens evicted so far; ids[sink_tokens] sat at absolute position sink_tokens + evicted
+    evicted: int = 0
+    #: float32 next-token logits after ids[-1]; None when not computed (new cache, after a rollback)
+    logits: torch.Tensor | None = None
+    #: float32 final-norm hidden state at ids[-1] (what lm_head sees), [hidden_size]; None like logits
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
+class FeedResult:
+    """What one `CachedLM.feed` produced."""
+
+    #: [vocab] float32 next-token logits after the last fed token
+    logits: torch.Tensor
+    #: [hidden_size] float32 final-norm hidden state at the last fed token
+    hidden: torch.Tensor
+    #: tokens this feed evicted from the window
+    evicted: int
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # the Llama/Qwen2 (GPT-NeoX) RoPE layout: the two halves of the head dim form the rotated pairs
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class CachedLM:
+    """Runs a decoder LM (Llama or Qwen2 family) over `LmCache`s with sinks + rolling window.
+
+    One instance is shared by every session; it holds no per-session state. The model may be
+    float, bfloat16 or dynamically int8-quantized: only `model.model` (the decoder stack, whose
+    `rotary_emb` gives the real RoPE frequencies and scaling) and `model.lm_head` are called.
+    """
+
+    def __init__(
+        self, model: nn.Module, sink_tokens: int = 4, window_tokens: int = 2048, evict_chunk: int = 64
+    ) -> None:
+        if sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
+        if window_tokens < 1:
+            raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
+        if evict_chunk < 1:
+            raise ValueError(f"evict_chunk must be >= 1, got {evict_chunk}")
+        self.model = model
+        self.sink_tokens = sink_tokens
+        self.window_tokens = window_tokens
+        self.evict_chunk = evict_chunk
+        self.capacity = sink_tokens + window_tokens
+        # eviction edits the layers' tensors directly, which is only sound for plain full-attention
+        # layers; a sliding-window layer would keep its own bookkeeping of absolute positions
+        probe = DynamicCache(config=model.config)
+        odd = {type(layer).__name__ for layer in probe.layers if type(layer) is not DynamicLayer}
+        if odd:
+            raise ValueError(f"CachedLM needs full-attention cache layers only, the model config gives {odd}")
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def new(self) -> LmCache:
+        """An empty cache."""
+        return LmCache(cache=DynamicCache(config=self.model.config), ids=[])
+
+    def fork(self, c: LmCache) -> LmCache:
+        """An independent deep copy, e.g. to hand each session its own copy of a prefilled system prompt."""
+        with torch.inference_mode():
+            return copy.deepcopy(c)
+
+    def nbytes(self, c: LmCache) -> int:
+        """Bytes held by the cache's key and value tensors (the per-session memory that the window bounds)."""
+        total = 0
+        for layer in c.cache.layers:
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total
+
+    # -- feeding ----------------------------------------------------------------------------
+
+    def feed(self, c: LmCache, ids: Sequence[int]) -> FeedResult:
+        """Run `ids` through the model after the cached tokens (in place), evicting as needed.
+
+        A feed that would overflow `sink_tokens + window_tokens` first evicts the oldest window
+        tokens, rounded up to a multiple of `evict_chunk`. A feed longer than the window goes in
+        window-sized pieces, since no single forward can fit more than that after the sinks.
+        """
+        toks = [int(t) for t in ids]
+        if not toks:
+            raise ValueError("feed: no tokens to feed")
+        evicted = 0
+        pos = 0
+        with torch.inference_mode():
+            while pos < len(toks):
+                take = min(len(toks) - pos, self.window_tokens)
+                overflow = len(c.ids) + take - self.capacity
+                if overflow > 0:
+                    evictable = len(c.ids) - min(len(c.ids), self.sink_tokens)
+                    k = min(evictable, math.ceil(overflow / self.evict_chunk) * self.evict_chunk)
+                    self._evict(c, k)
+                    evicted += k
+                    # cannot bind (take <= window and the sinks stay), kept as a guard on the invariant
+                    take = min(take, self.capacity - len(c.ids))
+                self._forward(c, toks[pos : pos + take])
+                pos += take
+        assert c.logits is not None and c.hidden is not None
+        return FeedResult(logits=c.logits, hidden=c.hidden, evicted=evicted)
+
+    def rollback(self, c: LmCache, length: int) -> None:
+        """Keep only the first `length` cached tokens, e.g. to drop an assistant reply cut by a barge-in.
+
+        The logits and hidden state no longer match the last kept token, so they are cleared; feed at
+        least one token (or use `sync`) before reading them again.
+        """
+        if not 0 <= length <= len(c.ids):
+            raise ValueError(f"rollback: length {length} is outside 0..{len(c.ids)}")
+        drop = len(c.ids) - length
+        if drop:
+            with torch.inference_mode():
+                c.cache.crop(-drop)
+            del c.ids[length:]
+        c.logits = None
+        c.hidden = None
+
+    def sync(self, c: LmCache, target: Sequence[int]) -> int:
+        """Make the cache hold `target`, reusing its longest common prefix; returns the tokens fed.
+
+        `target` is in cache coordinates: after evictions it must start with the kept `c.ids`
+        (sinks + window), not with the full conversation. At least one token is re-fed so the
+        logits and hidden state are those after target[-1], unless the cache already holds exactly
+        `target` with fresh logits, in which case nothing runs.
+        """
+        tgt = [int(t) for t in target]
+        if not tgt:
+            raise ValueError("sync: empty target")
+        common = _common_prefix(c.ids, tgt)
+        if common == len(c.ids) == len(tgt) and c.logits is not None and c.hidden is not None:
+            return 0
+        keep = min(common, len(tgt) - 1)
+        self.rollback(c, keep)
+        rest = tgt[keep:]
+        self.feed(c, rest)
+        return len(rest)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _forward(self, c: LmCache, toks: list[int]) -> None:
+        start = len(c.ids)
+        n = len(toks)
+        device = self._device()
+        positions = torch.arange(start, start + n, device=device)
+        out = self.model.model(
+            input_ids=torch.tensor([toks], dtype=torch.long, device=device),
+            past_key_values=c.cache,
+            use_cache=True,
+            # newer v5 releases derive the position from the cache and ignore cache_position;
+            # earlier ones build the causal mask from it, so pass it consistent with position_ids
+            cache_position=positions,
+            position_ids=positions.unsqueeze(0),
+        )
+        last = out.last_hidden_state[:, -1]
+        # lm_head on the last position only: the vocab projection of prefill positions is wasted
+        logits = self.model.lm_head(last)
+        c.ids.extend(toks)
+        c.logits = logits[0].float()
+        c.hidden = last[0].float()
+        if c.cache.get_seq_length() != len(c.ids):
+            raise RuntimeError(f"cache holds {c.cache.get_seq_length()} tokens but ids has {len(c.ids)}")
+
+    def _device(self) -> torch.device:
+        # dynamically quantized Linear modules hold packed params, so look at the embedding instead
+        return self.model.model.embed_tokens.weight.device
+
+    def _evict(self, c: LmCache, k: int) -> None:
+        """Drop k tokens right after the sinks and move the rest of the window k positions down."""
+        if k <= 0:
+            return
+        s = min(self.sink_tokens, len(c.ids))
+        cos = sin = None
+        for layer in c.cache.layers:
+            keys, values = layer.keys, layer.values
+            if keys is None or keys.numel() == 0:
+                continue
+            kept = keys[..., s + k :, :]
+            if kept.shape[-2]:
+                if cos is None:
+                    cos, sin = self._rope_shift(k, keys.device)
+                kept = self._rotate(kept, cos, sin)
+            layer.keys = torch.cat((keys[..., :s, :], kept), dim=-2)
+            layer.values = torch.cat((values[..., :s, :], values[..., s + k :, :]), dim=-2)
+        del c.ids[s : s + k]
+        c.evicted += k
+
+    def _rope_shift(self, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the model's own RoPE at position k, float32, without attention scaling."""
+        rotary = self.model.model.rotary_emb
+        # a float32 probe makes rotary_emb return float32; its attention_scaling (YaRN & co.) scales
+        # q and k once at encode time and must not be applied again to a stored key
+        probe = torch.zeros(1, dtype=torch.float32, device=device)
+        cos, sin = rotary(probe, torch.tensor([[k]], device=device))
+        scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+        return cos[0, 0] / scale, sin[0, 0] / scale
+
+    @staticmethod
+    def _rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate RoPE'd keys by -k positions: R(-k) R(p) = R(p - k), since RoPE angles add."""
+        rd = cos.shape[-1]  # rotary dims; smaller than head_dim only with partial rotary
+        k32 = keys.float()
+        rot, rest = k32[..., :rd], k32[..., rd:]
+        # R(-a) x = x cos(a) - rotate_half(x) sin(a)
+        rot = rot * cos - _rotate_half(rot) * sin
+        return torch.cat((rot, rest), dim=-1).to(keys.dtype)
