@@ -37,6 +37,19 @@ class SessionOptions:
     playout_lead_ms: int = 120
     max_history_turns: int = 12
     max_segment_ms: int = 30000
+    # -- learned turn-taking (used when the LLM stage has turn-taking heads) --
+    #: silence that ends a turn the turn head judged incomplete (mid-sentence pause); complete
+    #: turns end after `end_of_turn_silence_ms`
+    incomplete_turn_silence_ms: int = 2000
+    #: user speech over the service's answer longer than this interrupts it whatever was said;
+    #: shorter speech interrupts only if the overlap head calls it an interruption, not a backchannel
+    max_backchannel_ms: int = 900
+    #: the service says "mm-hmm" at pauses of long user turns, at most once per interval
+    backchannels: bool = True
+    backchannel_min_turn_ms: int = 2500
+    backchannel_interval_ms: int = 6000
+    #: fast drafter + verifier start each answer (false: the slow model answers alone)
+    relay: bool = True
 
     #: options a client may change with session.start / session.update
     CLIENT_SETTABLE = (
@@ -44,7 +57,12 @@ class SessionOptions:
         "vad_threshold",
         "barge_in_min_speech_ms",
         "partial_interval_ms",
+        "incomplete_turn_silence_ms",
+        "max_backchannel_ms",
+        "backchannels",
+        "relay",
     )
+    _BOOLEAN = ("backchannels", "relay")
 
     def with_overrides(self, overrides: dict[str, Any]) -> SessionOptions:
         """Apply a client's per-session deltas; unknown or out-of-range values raise ConfigError."""
@@ -58,6 +76,10 @@ class SessionOptions:
                 if not isinstance(value, (int, float)) or not 0.05 <= float(value) <= 0.95:
                     raise ConfigError("vad_threshold must be a number in [0.05, 0.95]")
                 clean[key] = float(value)
+            elif key in self._BOOLEAN:
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{key} must be true or false")
+                clean[key] = value
             else:
                 if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 10_000:
                     raise ConfigError(f"{key} must be an integer number of milliseconds in [0, 10000]")

@@ -115,6 +115,30 @@ class TurnLatency(ServerEvent):
 
     type: ClassVar[str] = "turn.latency"
     stages: dict[str, float] = field(default_factory=dict)
+    #: what the relay did for this answer: {"committed": bool, "p": verifier score, "draft": text}
+    relay: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TurnDecision(ServerEvent):
+    """The turn head judged the user's words at a pause: `decision` is listen (incomplete, keep
+    waiting), backchannel or speak (complete: answer after the short hangover)."""
+
+    type: ClassVar[str] = "turn.decision"
+    decision: str = "listen"
+    probs: dict[str, float] = field(default_factory=dict)
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class Backchannel(ServerEvent):
+    """The service gave a short backchannel ("mm-hmm") during a long user turn, without taking it;
+    `source` is "service". For user backchannels heard while the service spoke, `source` is "user"
+    and the answer goes on."""
+
+    type: ClassVar[str] = "backchannel"
+    text: str = ""
+    source: str = "service"
 
 
 @dataclass(frozen=True)

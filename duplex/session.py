@@ -38,6 +38,7 @@ from duplex.events import (
     CLIENT_RESPONSE_CANCEL,
     CLIENT_RESPONSE_TRUNCATE,
     CLIENT_SESSION_UPDATE,
+    Backchannel,
     ErrorEvent,
     Interrupted,
     ResponseAudioStarted,
@@ -50,6 +51,7 @@ from duplex.events import (
     SpeechStopped,
     TranscriptFinal,
     TranscriptPartial,
+    TurnDecision,
     TurnLatency,
 )
 from duplex.executor import Job
@@ -74,6 +76,15 @@ class Stages:
     asr_chunk: Callable[[np.ndarray, bool, bool], Any]
     llm_step: Callable[[list[dict[str, str]] | None, int], Any]
     tts_input: Callable[[str, bool], Any]
+    # learned turn-taking (dialogue.engine); None: fixed VAD hangover and VAD barge-in
+    listen_step: Callable[[list[dict[str, str]], str], Any] | None = None
+    overlap_step: Callable[[str], Any] | None = None
+    #: the first step of an answer with the session's relay setting (None: llm_step)
+    respond_step: Callable[[list[dict[str, str]] | None, int, bool], Any] | None = None
+    #: thresholds of the turn head: P(speak) to answer, P(backchannel) to say "mm-hmm"
+    speak_threshold: float = 0.5
+    backchannel_threshold: float = 0.5
+    backchannel_text: str = "Mm-hmm."
 
 
 @dataclass
@@ -93,6 +104,7 @@ class Response:
     held_audio: list[Any] = field(default_factory=list)  # TTS chunks produced while speculative
     audio_started: bool = False
     marks: dict[str, float] = field(default_factory=dict)
+    relay: dict[str, Any] = field(default_factory=dict)  # what the relay did (first LLM step)
 
 
 @dataclass
@@ -115,6 +127,11 @@ class Segment:
     ended: bool = False
     last_partial_cost: float = 0.0
     marks: dict[str, float] = field(default_factory=dict)
+    # learned turn-taking
+    listened: str = ""  # the text last given to the turn head
+    decision: str | None = None  # at the current pause: "speak", "listen", "backchannel"
+    overlap: bool = False  # started while the service was speaking
+    overlap_class: str | None = None  # "backchannel" or "interruption", once known
 
     def spec_valid(self) -> bool:
         """The latest transcript covers all audio up to where the speech stopped."""
@@ -176,6 +193,14 @@ class SessionCore:
         # the last answer that reached the history: (turn id, its audio timeline, its history entry)
         self._last_spoken: tuple[int, list[tuple[float, str]], dict[str, str] | None] | None = None
         self.closed = False
+        # learned turn-taking: what the LLM slot should do when it is free (besides answering)
+        self.turn_taking = stages.listen_step is not None
+        self._want_listen: tuple[int, str, int, bool] | None = None  # (segment, text, covered, at pause)
+        self._want_overlap: tuple[int, str, int] | None = None  # (segment, text, covered)
+        self._last_backchannel = -1e9
+        self._bc_ids = itertools.count(1)
+        if self.turn_taking:
+            self.endpointer.end_silence = int(SR * self.options.incomplete_turn_silence_ms / 1000)
 
     # -- inputs --------------------------------------------------------------------------
 
@@ -282,7 +307,7 @@ class SessionCore:
         """Apply a client's per-session option deltas; raises ConfigError and changes nothing if bad."""
         self.options = self.options.with_overrides(overrides)
         self.endpointer.threshold = self.options.vad_threshold
-        self.endpointer.end_silence = int(SR * self.options.end_of_turn_silence_ms / 1000)
+        self.endpointer.end_silence = int(SR * self._hangover_ms() / 1000)
 
     def update_options(self, overrides: dict[str, Any]) -> None:
         """`session.update`: apply the deltas, answer with session.updated or an error event."""
@@ -358,13 +383,21 @@ class SessionCore:
 
     # -- VAD and endpointing -------------------------------------------------------------
 
+    def _hangover_ms(self) -> int:
+        """The endpointer's own hangover: with learned turn-taking it is the long one, and the
+        core ends complete turns earlier (`_maybe_end_early`)."""
+        o = self.options
+        if getattr(self, "turn_taking", False):
+            return max(o.incomplete_turn_silence_ms, o.end_of_turn_silence_ms)
+        return o.end_of_turn_silence_ms
+
     def _new_endpointer(self) -> Endpointer:
         o = self.options
         return Endpointer(
             threshold=o.vad_threshold,
             off_threshold=o.vad_off_threshold,
             min_speech=int(SR * o.min_speech_ms / 1000),
-            end_silence=int(SR * o.end_of_turn_silence_ms / 1000),
+            end_silence=int(SR * self._hangover_ms() / 1000),
         )
 
     def _submit_vad(self) -> None:
@@ -382,6 +415,7 @@ class SessionCore:
                 self._on_edge(edge)
             if self.endpointer.in_speech and not self.endpointer.paused:
                 self._check_barge_in()
+        self._maybe_end_early()
         self._submit_vad()
 
     def _on_edge(self, edge: Edge) -> None:
@@ -391,8 +425,15 @@ class SessionCore:
             if self.segment is not None:
                 self.segment.pause_at = edge.sample - self.segment.start_sample
             self._speculate()
+            seg = self.segment
+            if self.turn_taking and seg is not None and not seg.ended and seg.spec_valid() and seg.spec_final:
+                self._at_pause(seg)
         elif edge.kind == "resume":
             self._drop_speculation()
+            if self.segment is not None:
+                self.segment.decision = None
+                if self.segment.overlap_class == "backchannel":
+                    self.segment.overlap_class = None  # they went on: judge the whole thing again
         elif edge.kind == "end":
             self._end_segment(edge.sample)
 
@@ -405,6 +446,13 @@ class SessionCore:
             return
         if self.endpointer.speech_samples < SR * self.options.barge_in_min_speech_ms / 1000:
             return
+        seg = self.segment
+        if self.turn_taking and seg is not None and seg.overlap and seg.overlap_class != "interruption":
+            # a backchannel must not stop the answer: wait for the overlap head, unless the user
+            # has talked longer than any backchannel would last
+            if self.endpointer.speech_samples < SR * self.options.max_backchannel_ms / 1000:
+                return
+            seg.overlap_class = "interruption"
         self._interrupt(status="interrupted")
 
     # -- user segment and ASR ------------------------------------------------------------
@@ -421,6 +469,7 @@ class SessionCore:
         seg.audio.append(audio)
         seg.pending.append(audio)
         seg.total_samples = audio.size
+        seg.overlap = self.turn_taking and self._speaking()
         self.segment = seg
         self._emit(SpeechStarted, audio_ms=int(1000 * start_sample / SR))
 
@@ -483,6 +532,8 @@ class SessionCore:
             if text and text != seg.partial_text and not seg.ended:
                 seg.partial_text = text
                 self._emit(TranscriptPartial, turn_id=seg.turn_id, text=text)
+                if self.turn_taking and not self.endpointer.paused:
+                    self._listen(seg, text, covered, at_pause=False)
         if seg.ended:
             if seg.spec_valid():
                 self._commit_turn(seg)
@@ -491,6 +542,8 @@ class SessionCore:
         elif self.endpointer.paused:
             if not seg.spec_valid():
                 self._submit_final(seg)
+            elif self.turn_taking and seg.spec_final:
+                self._at_pause(seg)
             elif self.response is None and seg.spec_final:
                 self._start_response(seg.turn_id, seg.spec_final, committed=False)
         else:
@@ -511,6 +564,15 @@ class SessionCore:
 
     def _commit_turn(self, seg: Segment) -> None:
         text = (seg.spec_final or "").strip()
+        if self.turn_taking and seg.overlap and seg.overlap_class is None and text:
+            if self._speaking():
+                self._classify_overlap(seg)  # decided when the overlap head answers
+                return
+            seg.overlap_class = "interruption"  # the answer ended meanwhile: an ordinary turn
+        if self.turn_taking and seg.overlap and seg.overlap_class == "backchannel":
+            self.segment = None
+            self._emit(Backchannel, turn_id=seg.turn_id, text=text, source="user")
+            return
         self.segment = None
         marks = dict(seg.marks)
         marks["final_transcript"] = seg.spec_ready
@@ -566,13 +628,35 @@ class SessionCore:
         return msgs
 
     def _submit_llm(self) -> None:
-        resp = self.response
-        if resp is None or resp.llm_done or "llm" in self._busy or self.closed:
+        """Give the session's LLM slot its next job: classify overlapping speech first (the answer
+        may have to stop), then the answer, then the turn head's listening."""
+        if "llm" in self._busy or self.closed:
             return
-        if resp.llm_started and not resp.committed and not self._needs_first_phrase(resp):
-            return  # speculative: stop once the first phrase can be spoken, the user may go on
+        if self._want_overlap is not None:
+            sid, text, covered = self._want_overlap
+            self._want_overlap = None
+            assert self.stages.overlap_step is not None
+            self._submit("llm", "llm.overlap", self._llm_state, self.stages.overlap_step(text),
+                         self.budgets["llm.step"], tag=("overlap", sid, covered))
+            return
+        resp = self.response
+        if resp is None or resp.llm_done or (
+            resp.llm_started and not resp.committed and not self._needs_first_phrase(resp)
+        ):
+            # no answer needs the model (a speculative one stops once its first phrase can be spoken)
+            if self._want_listen is not None and (resp is None or resp.llm_done or not resp.committed):
+                sid, text, covered, at_pause = self._want_listen
+                self._want_listen = None
+                assert self.stages.listen_step is not None
+                self._submit("llm", "llm.listen", self._llm_state,
+                             self.stages.listen_step(list(self.history), text),
+                             self.budgets["llm.step"], tag=("listen", sid, covered, at_pause, text))
+            return
         if not resp.llm_started:
-            step = self.stages.llm_step(self._messages_for(resp), self.first_step_tokens)
+            if self.stages.respond_step is not None:
+                step = self.stages.respond_step(self._messages_for(resp), self.first_step_tokens, self.options.relay)
+            else:
+                step = self.stages.llm_step(self._messages_for(resp), self.first_step_tokens)
             label = "llm.first"
         else:
             step = self.stages.llm_step(None, self.step_tokens)
@@ -582,6 +666,14 @@ class SessionCore:
 
     def _on_llm(self, job: Job, out: Any, state: Any) -> None:
         self._llm_state = state
+        if isinstance(job.tag, tuple) and job.tag[0] == "listen":
+            self._on_listen(job, out)
+            self._submit_llm()
+            return
+        if isinstance(job.tag, tuple) and job.tag[0] == "overlap":
+            self._on_overlap(job, out)
+            self._submit_llm()
+            return
         resp = self.response
         if resp is None or resp.rid != job.tag:
             self._submit_llm()  # stale: a newer response may be waiting for the LLM
@@ -595,6 +687,10 @@ class SessionCore:
                 1000 * timings.get("prefill_s", 0.0), 1000 * timings.get("total_s", 0.0),
                 1000 * (self.clock() - job.submitted) - 1000 * timings.get("total_s", 0.0),
             )
+        relay = getattr(out, "relay", None)
+        if relay is not None and job.label == "llm.first":
+            resp.relay = {"committed": bool(relay.committed), "p": round(float(relay.p_accept), 3),
+                          "draft": relay.draft, "draft_ms": round(1000 * relay.draft_s, 1)}
         if delta:
             resp.marks.setdefault("first_llm_token", self.clock())
             resp.text += delta
@@ -620,6 +716,10 @@ class SessionCore:
         self._submit("tts", "tts", resp.tts_state, self.stages.tts_input(text, final), self.budgets["tts"], tag=(resp.rid, final))
 
     def _on_tts(self, job: Job, out: Any, state: Any) -> None:
+        if job.tag[0] == "bc":
+            self._on_backchannel_audio(out)
+            self._submit_tts()
+            return
         rid, final = job.tag
         resp = self.response
         if resp is None or resp.rid != rid:
@@ -759,7 +859,122 @@ class SessionCore:
             return
         order = ["end_of_turn", "final_transcript", "first_llm_token", "first_tts_chunk", "first_audio"]
         stages = {k: round(1000 * (resp.marks[k] - base), 1) for k in order if k in resp.marks}
-        self._emit(TurnLatency, turn_id=resp.turn_id, stages=stages)
+        self._emit(TurnLatency, turn_id=resp.turn_id, stages=stages, relay=dict(resp.relay))
+
+    # -- learned turn-taking ---------------------------------------------------------------
+
+    def _speaking(self) -> bool:
+        """An answer is being sent or is still playing at the listener."""
+        if self.response is not None and self.response.committed:
+            return True
+        return self._finished_response is not None and self.playout.playing(self.clock())
+
+    def _listen(self, seg: Segment, text: str, covered: int, at_pause: bool) -> None:
+        """Ask the turn head about the user's words so far (prefilling them on the way)."""
+        if not text.strip() or (seg.overlap and seg.overlap_class != "interruption"):
+            return
+        if not at_pause and text == seg.listened:
+            return
+        self._want_listen = (seg.sid, text, covered, at_pause)
+        self._submit_llm()
+
+    def _at_pause(self, seg: Segment) -> None:
+        """The user paused and the transcript up to the pause is known."""
+        text = seg.spec_final or ""
+        if seg.overlap and seg.overlap_class is None:
+            if self._speaking():
+                self._classify_overlap(seg)
+                return
+            seg.overlap_class = "interruption"
+        if seg.decision is None:
+            self._listen(seg, text, seg.spec_at, at_pause=True)
+
+    def _classify_overlap(self, seg: Segment) -> None:
+        if self.stages.overlap_step is None or not (seg.spec_final or "").strip():
+            return
+        self._want_overlap = (seg.sid, seg.spec_final or "", seg.spec_at)
+        self._submit_llm()
+
+    def _on_listen(self, job: Job, out: Any) -> None:
+        _, sid, covered, at_pause, text = job.tag
+        seg = self.segment
+        if seg is None or seg.sid != sid:
+            return
+        seg.listened = text
+        if not at_pause or seg.ended or not self.endpointer.paused or covered < seg.pause_at:
+            return  # a slice while they talk: only the prefill mattered
+        probs = tuple(float(p) for p in getattr(out, "probs", (1.0, 0.0, 0.0)))
+        p_listen, p_bc, p_speak = probs
+        if p_speak >= self.stages.speak_threshold:
+            seg.decision = "speak"
+        elif p_bc >= self.stages.backchannel_threshold and p_bc >= p_listen:
+            seg.decision = "backchannel"
+        else:
+            seg.decision = "listen"
+        self._emit(TurnDecision, turn_id=seg.turn_id, decision=seg.decision, text=text,
+                   probs={"listen": round(p_listen, 3), "backchannel": round(p_bc, 3), "speak": round(p_speak, 3)})
+        if seg.decision == "speak":
+            if self.response is None and seg.spec_final and not self._speaking():
+                self._start_response(seg.turn_id, seg.spec_final, committed=False)
+            self._maybe_end_early()
+        elif seg.decision == "backchannel":
+            self._maybe_backchannel(seg)
+
+    def _on_overlap(self, job: Job, out: Any) -> None:
+        _, sid, covered = job.tag
+        seg = self.segment
+        if seg is None or seg.sid != sid or seg.overlap_class is not None:
+            return
+        interrupt = bool(getattr(out, "interrupt", True))
+        log.info("session %s turn %d: overlap %r -> %s (p=%.2f)", self.session_id, seg.turn_id,
+                 seg.spec_final, "interruption" if interrupt else "backchannel", getattr(out, "p_interrupt", -1.0))
+        if interrupt:
+            seg.overlap_class = "interruption"
+            if self._speaking():
+                self._interrupt(status="interrupted")
+            if seg.ended:
+                self._commit_turn(seg)
+            elif self.endpointer.paused and seg.spec_valid():
+                self._listen(seg, seg.spec_final or "", seg.spec_at, at_pause=True)
+        else:
+            seg.overlap_class = "backchannel"
+            if seg.ended:
+                self._commit_turn(seg)
+
+    def _maybe_end_early(self) -> None:
+        """End a turn the turn head called complete once the short hangover has passed."""
+        seg = self.segment
+        if not self.turn_taking or seg is None or seg.ended or seg.decision != "speak":
+            return
+        if not self.endpointer.paused:
+            return
+        if self.endpointer.run >= SR * self.options.end_of_turn_silence_ms / 1000:
+            for edge in self.endpointer.force_end():
+                self._on_edge(edge)
+
+    def _maybe_backchannel(self, seg: Segment) -> None:
+        o = self.options
+        now = self.clock()
+        if not o.backchannels or self._speaking() or self.response is not None or "tts" in self._busy:
+            return
+        if seg.pause_at < SR * o.backchannel_min_turn_ms / 1000:
+            return
+        if now - self._last_backchannel < o.backchannel_interval_ms / 1000:
+            return
+        self._last_backchannel = now
+        self._submit("tts", "tts", self.stages.tts.init_state(), self.stages.tts_input(self.stages.backchannel_text, True),
+                     self.budgets["tts"], tag=("bc", next(self._bc_ids)))
+
+    def _on_backchannel_audio(self, out: Any) -> None:
+        seg = self.segment
+        if self.response is not None or self._speaking() or seg is None or not self.endpointer.paused:
+            return  # too late: the user went on or an answer started
+        now = self.clock()
+        for chunk in out or []:
+            if len(chunk.audio):
+                self.playout.enqueue(now, chunk.audio, chunk.text)
+        self._emit(Backchannel, turn_id=seg.turn_id, text=self.stages.backchannel_text, source="service")
+        self.tick()
 
 
 def _ms(value: Any) -> float | None:

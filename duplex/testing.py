@@ -243,6 +243,110 @@ def fake_stages(reply_fn: Callable[[list[dict[str, str]]], str]) -> Stages:
     )
 
 
+# -- learned turn-taking, scripted ------------------------------------------------------------
+
+#: words that end a complete thought in tone speech (the scripted turn head's rule)
+FINAL_WORDS = frozenset("france paris you four story good fine thanks hello time cat".split())
+#: what a listener says without taking the turn (tone speech has "yes")
+BACKCHANNEL_WORDS = frozenset({"yes"})
+
+
+def scripted_turn(text: str) -> tuple[float, float, float]:
+    """P(listen, backchannel, speak): complete if the last word ends a thought; a long turn that
+    stops after "and" invites a backchannel; anything else is mid-sentence."""
+    words = text.lower().split()
+    if words and words[-1] in FINAL_WORDS:
+        return (0.05, 0.05, 0.9)
+    if len(words) >= 6 and words[-1] == "and":
+        return (0.2, 0.7, 0.1)
+    return (0.9, 0.05, 0.05)
+
+
+def scripted_overlap(text: str) -> float:
+    """P(interruption) of speech heard while the service spoke."""
+    words = text.lower().split()
+    return 0.05 if words and all(w in BACKCHANNEL_WORDS for w in words) else 0.95
+
+
+@dataclass(frozen=True)
+class FakeListenStep:
+    messages: list[dict[str, str]]
+    text: str
+
+
+@dataclass(frozen=True)
+class FakeOverlapStep:
+    text: str
+
+
+@dataclass(frozen=True)
+class FakeRespondStep:
+    messages: list[dict[str, str]] | None
+    max_tokens: int
+    relay: bool = True
+
+
+@dataclass(frozen=True)
+class FakeListenOutput:
+    probs: tuple[float, float, float]
+
+
+@dataclass(frozen=True)
+class FakeOverlapOutput:
+    p_interrupt: float
+    interrupt: bool
+
+
+class ScriptedTurnLlm(ScriptedLlm):
+    """ScriptedLlm that also listens (scripted turn head) and classifies overlapping speech."""
+
+    def __init__(
+        self,
+        reply_fn: Callable[[list[dict[str, str]]], str],
+        turn_fn: Callable[[str], tuple[float, float, float]] = scripted_turn,
+        overlap_fn: Callable[[str], float] = scripted_overlap,
+    ) -> None:
+        super().__init__(reply_fn)
+        self.turn_fn = turn_fn
+        self.overlap_fn = overlap_fn
+        self.listened: list[str] = []  # every text the turn head saw, in order
+        self.relays: list[bool] = []  # the relay flag of every answer
+
+    def step(self, state: ScriptedLlmState, chunk: Any) -> tuple[Any, ScriptedLlmState]:
+        if isinstance(chunk, FakeListenStep):
+            self.listened.append(chunk.text)
+            return FakeListenOutput(self.turn_fn(chunk.text)), state
+        if isinstance(chunk, FakeOverlapStep):
+            p = self.overlap_fn(chunk.text)
+            return FakeOverlapOutput(p, p >= 0.5), state
+        if isinstance(chunk, FakeRespondStep) and chunk.messages is not None:
+            self.relays.append(chunk.relay)
+        return super().step(state, FakeLlmStep(chunk.messages, chunk.max_tokens))
+
+
+def fake_turn_stages(
+    reply_fn: Callable[[list[dict[str, str]]], str],
+    turn_fn: Callable[[str], tuple[float, float, float]] = scripted_turn,
+    overlap_fn: Callable[[str], float] = scripted_overlap,
+) -> Stages:
+    """fake_stages with learned turn-taking switched on (scripted heads)."""
+    return Stages(
+        vad=EnergyVad(),
+        asr=ToneAsr(),
+        llm=ScriptedTurnLlm(reply_fn, turn_fn, overlap_fn),
+        tts=ToneTts(),
+        asr_chunk=FakeAsrChunk,
+        llm_step=FakeLlmStep,
+        tts_input=FakeTtsInput,
+        listen_step=FakeListenStep,
+        overlap_step=FakeOverlapStep,
+        respond_step=FakeRespondStep,
+        speak_threshold=0.5,
+        backchannel_threshold=0.5,
+        backchannel_text="yes",
+    )
+
+
 # -- replay ------------------------------------------------------------------------------
 
 

@@ -1,0 +1,144 @@
+"""Learned turn-taking in the session core, replayed on a fake clock with scripted heads.
+
+The scripted turn head calls a thought complete when it ends on a word like "france" or "four",
+mid-sentence otherwise; the scripted overlap head calls "yes" a backchannel and anything else an
+interruption (see duplex.testing). The real heads are tested in tests/test_turn_taking.py and
+through the server in tests/test_dialogue_real.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from duplex.config import load_profile
+from duplex.session import SR, SessionCore
+from duplex.testing import FakeClock, decode_tones, fake_turn_stages, replay, scripted_answer, tone_speech
+
+COSTS = {"vad": 0.002, "asr.partial": 0.05, "asr.final": 0.08, "llm.first": 0.2, "llm.step": 0.1,
+         "llm.listen": 0.03, "llm.overlap": 0.03, "tts": 0.02}
+
+
+def silence(seconds: float) -> np.ndarray:
+    return np.zeros(int(SR * seconds), dtype=np.float32)
+
+
+def make_core(**overrides):
+    profile = load_profile("cpu")
+    clock = FakeClock()
+    stages = fake_turn_stages(scripted_answer)
+    core = SessionCore("s1", profile, stages, clock, options=dataclasses.replace(profile.session, **overrides))
+    return core, clock, stages
+
+
+def test_complete_question_is_answered_after_the_short_hangover():
+    core, clock, stages = make_core()
+    speech = tone_speech("what is the capital of france")
+    result = replay(core, clock, np.concatenate([silence(0.5), speech, silence(3.0)]), COSTS)
+    decision = result.events("turn.decision")[-1]
+    assert decision.decision == "speak" and decision.text == "what is the capital of france"
+    assert result.events("response.done")[0].text == "paris is the capital of france"
+    speech_end = 0.5 + len(speech) / SR - 0.05
+    first_audio = result.audio_frames()[0].t
+    # short hangover (500 ms) + VAD lag, far from the 2 s an incomplete thought would wait
+    assert first_audio - speech_end < 0.8
+    # the words were prefilled slice by slice while the user talked
+    assert len(stages.llm.listened) >= 2 and stages.llm.listened[-1] == "what is the capital of france"
+
+
+def test_mid_sentence_pause_of_1_3_s_does_not_take_the_turn():
+    core, clock, _ = make_core()
+    audio = np.concatenate([
+        silence(0.5), tone_speech("what is the capital of"), silence(1.3), tone_speech("france"), silence(3.5)
+    ])
+    result = replay(core, clock, audio, COSTS)
+    decisions = [d.decision for d in result.events("turn.decision")]
+    assert decisions[0] == "listen" and decisions[-1] == "speak"
+    # one turn, one answer, to the whole sentence; nothing was said during the pause
+    assert [e.text for e in result.events("transcript.final")] == ["what is the capital of france"]
+    assert len(result.events("response.started")) == 1
+    resumed_at = 0.5 + len(tone_speech("what is the capital of")) / SR + 1.3
+    assert result.audio_frames()[0].t > resumed_at
+
+
+def test_incomplete_turn_is_still_answered_after_the_long_hangover():
+    core, clock, _ = make_core(incomplete_turn_silence_ms=2000)
+    speech = tone_speech("tell me a")
+    result = replay(core, clock, np.concatenate([silence(0.5), speech, silence(4.0)]), COSTS)
+    assert result.events("turn.decision")[-1].decision == "listen"
+    speech_end = 0.5 + len(speech) / SR - 0.05
+    assert 2.0 <= result.audio_frames()[0].t - speech_end <= 2.6
+
+
+def test_user_backchannel_during_an_answer_does_not_stop_it():
+    core, clock, _ = make_core()
+    q = tone_speech("tell me a story")
+    audio = np.concatenate([silence(0.5), q, silence(2.5), tone_speech("yes"), silence(14.0)])
+    result = replay(core, clock, audio, COSTS)
+    assert not result.events("response.interrupted")
+    done = result.events("response.done")
+    assert [d.status for d in done] == ["completed"]
+    heard = [b for b in result.events("backchannel") if b.source == "user"]
+    assert [b.text for b in heard] == ["yes"]
+    # the backchannel is not a turn: no second answer, history has one exchange
+    assert len(result.events("response.started")) == 1
+    assert [m["role"] for m in core.history] == ["user", "assistant"]
+
+
+def test_stop_interrupts_and_the_new_question_is_answered():
+    core, clock, _ = make_core()
+    q = tone_speech("tell me a story")
+    t_stop = 0.5 + len(q) / SR + 2.5
+    audio = np.concatenate([
+        silence(0.5), q, silence(2.5), tone_speech("stop"), silence(0.3),
+        tone_speech("what is two plus two"), silence(4.0),
+    ])
+    result = replay(core, clock, audio, COSTS)
+    interrupted = result.events("response.interrupted")
+    assert len(interrupted) == 1
+    # stopped soon after "stop": its pause, the ASR and the overlap head, well before the max-backchannel rule
+    assert interrupted[0].t - t_stop < 0.7
+    finals = [e.text for e in result.events("transcript.final")]
+    assert finals[-1] == "stop what is two plus two"
+    last = result.events("response.done")[-1]
+    assert last.status == "completed" and last.text == "two plus two is four"
+    after = result.audio(t0=interrupted[0].t + 0.2)
+    assert decode_tones(after, 24000) == "two plus two is four".split()
+
+
+def test_long_overlap_interrupts_whatever_the_head_says():
+    # the scripted overlap head never sees a pause here: the max-backchannel rule stops the answer
+    core, clock, _ = make_core(max_backchannel_ms=600)
+    q = tone_speech("tell me a story")
+    t_talk = 0.5 + len(q) / SR + 2.5
+    audio = np.concatenate([silence(0.5), q, silence(2.5), tone_speech("yes yes yes yes"), silence(4.0)])
+    result = replay(core, clock, audio, COSTS)
+    interrupted = result.events("response.interrupted")
+    assert len(interrupted) == 1 and 0.55 < interrupted[0].t - t_talk < 0.9
+
+
+def test_service_backchannels_in_a_long_turn_rate_limited():
+    core, clock, _ = make_core(backchannel_min_turn_ms=1500, backchannel_interval_ms=4000)
+    part = tone_speech("once upon time there was cat and")
+    audio = np.concatenate([silence(0.5), part, silence(0.9), part, silence(0.9), part, silence(0.9),
+                            tone_speech("it was very good"), silence(3.0)])
+    result = replay(core, clock, audio, COSTS)
+    mine = [b for b in result.events("backchannel") if b.source == "service"]
+    # three pauses invite one, but the interval allows only the first two 4 s apart at most
+    assert 1 <= len(mine) <= 2
+    if len(mine) == 2:
+        assert mine[1].t - mine[0].t >= 4.0
+    # the backchannel was audible (audio sent before the user's turn ended) and the turn went on
+    assert result.audio_frames()[0].t < result.events("speech.stopped")[0].t
+    assert [e.text for e in result.events("transcript.final")][-1].endswith("it was very good")
+    assert len(result.events("response.started")) == 1
+
+
+def test_backchannels_can_be_switched_off_and_relay_flag_reaches_the_llm():
+    core, clock, stages = make_core(backchannel_min_turn_ms=1500, backchannels=False, relay=False)
+    part = tone_speech("once upon time there was cat and")
+    audio = np.concatenate([silence(0.5), part, silence(0.9), tone_speech("it was very good"), silence(3.0)])
+    result = replay(core, clock, audio, COSTS)
+    assert not result.events("backchannel")
+    assert stages.llm.relays == [False]
