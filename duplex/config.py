@@ -41,6 +41,9 @@ class SessionOptions:
     #: silence that ends a turn the turn head judged incomplete (mid-sentence pause); complete
     #: turns end after `end_of_turn_silence_ms`
     incomplete_turn_silence_ms: int = 2000
+    #: silence that ends a turn at a backchannel point (a finished sentence the user may follow
+    #: with another): the service says "mm-hmm" first if allowed, then answers if they do not go on
+    backchannel_turn_silence_ms: int = 1000
     #: user speech over the service's answer longer than this interrupts it whatever was said;
     #: shorter speech interrupts only if the overlap head calls it an interruption, not a backchannel
     max_backchannel_ms: int = 900
@@ -58,6 +61,7 @@ class SessionOptions:
         "barge_in_min_speech_ms",
         "partial_interval_ms",
         "incomplete_turn_silence_ms",
+        "backchannel_turn_silence_ms",
         "max_backchannel_ms",
         "backchannels",
         "relay",

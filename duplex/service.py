@@ -26,13 +26,14 @@ def build_stages(profile: Profile, progress: bool = True) -> Stages:
     """Load the real stages a profile names (this imports the model packages)."""
     from asr.moonshine import AsrChunk, load_asr_stage
     from asr.vad import load_vad_stage
-    from dialogue.llm import LlmStep, load_llm_stage
+    from dialogue.engine import ListenStep, OverlapStep, RespondStep, load_dialogue_stage
     from tts.hibari_tts import TtsInput, load_tts_stage
 
     backends = {name: c.backend for name, c in profile.components.items()}
-    expected = {"vad": "silero-onnx", "asr": "moonshine", "llm": "transformers-gguf", "tts": "hibari"}
+    expected = {"vad": ("silero-onnx",), "asr": ("moonshine",), "llm": ("transformers-gguf", "openai-chat"),
+                "tts": ("hibari",), "drafter": ("transformers-gguf",)}
     for name, backend in expected.items():
-        if backends.get(name) not in (backend, None):
+        if backends.get(name) is not None and backends.get(name) not in backend:
             raise ValueError(
                 f"profile {profile.name!r}: {name} backend {backends.get(name)!r} is not available "
                 f"in this build (known: {backend})"
@@ -41,16 +42,24 @@ def build_stages(profile: Profile, progress: bool = True) -> Stages:
     vad = load_vad_stage(profile.component("vad"))
     asr = load_asr_stage(profile.component("asr"))
     tts = load_tts_stage(profile.component("tts"))
-    llm = load_llm_stage(profile.component("llm"), progress=progress)
+    drafter = profile.components.get("drafter")
+    llm = load_dialogue_stage(profile.component("llm"), drafter, progress=progress)
     log.info("stages loaded in %.1f s", time.perf_counter() - t0)
+    turn = llm.listens
+    policy = llm.policy
     return Stages(
         vad=vad,
         asr=asr,
         llm=llm,
         tts=tts,
         asr_chunk=lambda samples, transcribe, final: AsrChunk(samples=samples, transcribe=transcribe, final=final),
-        llm_step=lambda messages, max_tokens: LlmStep(messages=messages, max_tokens=max_tokens),
+        llm_step=lambda messages, max_tokens: RespondStep(messages=messages, max_tokens=max_tokens),
         tts_input=lambda text, final: TtsInput(text=text, final=final),
+        listen_step=(lambda messages, text, slow: ListenStep(messages, text, slow)) if turn else None,
+        overlap_step=(lambda text: OverlapStep(text)) if turn else None,
+        respond_step=lambda messages, max_tokens, relay: RespondStep(messages, max_tokens, relay),
+        speak_threshold=float(getattr(policy, "speak_threshold", 0.5)),
+        backchannel_threshold=float(getattr(policy, "backchannel_threshold", 0.5)),
     )
 
 
@@ -65,7 +74,10 @@ def warm_up(stages: Stages) -> dict[str, float]:
     stages.asr.step(stages.asr.init_state(), stages.asr_chunk(noise, True, True))
     times["asr"] = time.perf_counter() - t
     t = time.perf_counter()
-    stages.llm.step(stages.llm.init_state(), stages.llm_step([{"role": "user", "content": "Hi."}], 2))
+    state = stages.llm.init_state()
+    if stages.listen_step is not None:
+        stages.llm.step(state, stages.listen_step([], "Hi there", True))
+    stages.llm.step(state, stages.llm_step([{"role": "user", "content": "Hi there."}], 2))
     times["llm"] = time.perf_counter() - t
     t = time.perf_counter()
     stages.tts.step(stages.tts.init_state(), stages.tts_input("Hello there.", True))

@@ -77,7 +77,7 @@ class Stages:
     llm_step: Callable[[list[dict[str, str]] | None, int], Any]
     tts_input: Callable[[str, bool], Any]
     # learned turn-taking (dialogue.engine); None: fixed VAD hangover and VAD barge-in
-    listen_step: Callable[[list[dict[str, str]], str], Any] | None = None
+    listen_step: Callable[[list[dict[str, str]], str, bool], Any] | None = None
     overlap_step: Callable[[str], Any] | None = None
     #: the first step of an answer with the session's relay setting (None: llm_step)
     respond_step: Callable[[list[dict[str, str]] | None, int, bool], Any] | None = None
@@ -648,8 +648,10 @@ class SessionCore:
                 sid, text, covered, at_pause = self._want_listen
                 self._want_listen = None
                 assert self.stages.listen_step is not None
+                # at a pause the decision is urgent: only the drafter reads; the slow model catches up
+                # in the answer's first step (while they talk, both read slice by slice)
                 self._submit("llm", "llm.listen", self._llm_state,
-                             self.stages.listen_step(list(self.history), text),
+                             self.stages.listen_step(list(self.history), text, not at_pause),
                              self.budgets["llm.step"], tag=("listen", sid, covered, at_pause, text))
             return
         if not resp.llm_started:
@@ -905,6 +907,13 @@ class SessionCore:
             return  # a slice while they talk: only the prefill mattered
         probs = tuple(float(p) for p in getattr(out, "probs", (1.0, 0.0, 0.0)))
         p_listen, p_bc, p_speak = probs
+        timings = getattr(out, "timings", {}) or {}
+        log.info("session %s turn %d: turn head at pause %.0f ms after it (transcript %.0f ms, listen %.0f ms "
+                 "+ queue %.0f ms): %s", self.session_id, seg.turn_id,
+                 1000 * (self.clock() - self._arrival_time(seg.start_sample + seg.pause_at)),
+                 1000 * (seg.spec_ready - self._arrival_time(seg.start_sample + seg.pause_at)),
+                 1000 * timings.get("total_s", 0.0),
+                 1000 * (self.clock() - job.submitted) - 1000 * timings.get("total_s", 0.0), probs)
         if p_speak >= self.stages.speak_threshold:
             seg.decision = "speak"
         elif p_bc >= self.stages.backchannel_threshold and p_bc >= p_listen:
@@ -919,6 +928,9 @@ class SessionCore:
             self._maybe_end_early()
         elif seg.decision == "backchannel":
             self._maybe_backchannel(seg)
+            if self.response is None and seg.spec_final and not self._speaking():
+                self._start_response(seg.turn_id, seg.spec_final, committed=False)  # if they stop here
+            self._maybe_end_early()
 
     def _on_overlap(self, job: Job, out: Any) -> None:
         _, sid, covered = job.tag
@@ -942,20 +954,23 @@ class SessionCore:
                 self._commit_turn(seg)
 
     def _maybe_end_early(self) -> None:
-        """End a turn the turn head called complete once the short hangover has passed."""
+        """End a turn the turn head called complete once the short hangover has passed (or, at a
+        backchannel point, the medium one: they may go on with another sentence)."""
         seg = self.segment
-        if not self.turn_taking or seg is None or seg.ended or seg.decision != "speak":
+        if not self.turn_taking or seg is None or seg.ended or seg.decision not in ("speak", "backchannel"):
             return
         if not self.endpointer.paused:
             return
-        if self.endpointer.run >= SR * self.options.end_of_turn_silence_ms / 1000:
+        o = self.options
+        wait_ms = o.end_of_turn_silence_ms if seg.decision == "speak" else o.backchannel_turn_silence_ms
+        if self.endpointer.run >= SR * wait_ms / 1000:
             for edge in self.endpointer.force_end():
                 self._on_edge(edge)
 
     def _maybe_backchannel(self, seg: Segment) -> None:
         o = self.options
         now = self.clock()
-        if not o.backchannels or self._speaking() or self.response is not None or "tts" in self._busy:
+        if not o.backchannels or self._speaking() or "tts" in self._busy:
             return
         if seg.pause_at < SR * o.backchannel_min_turn_ms / 1000:
             return
@@ -967,7 +982,8 @@ class SessionCore:
 
     def _on_backchannel_audio(self, out: Any) -> None:
         seg = self.segment
-        if self.response is not None or self._speaking() or seg is None or not self.endpointer.paused:
+        if (self.response is not None and self.response.committed) or self._speaking() or seg is None \
+                or not self.endpointer.paused:
             return  # too late: the user went on or an answer started
         now = self.clock()
         for chunk in out or []:

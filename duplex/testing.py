@@ -272,6 +272,7 @@ def scripted_overlap(text: str) -> float:
 class FakeListenStep:
     messages: list[dict[str, str]]
     text: str
+    prefill_slow: bool = True
 
 
 @dataclass(frozen=True)

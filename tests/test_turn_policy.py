@@ -141,4 +141,4 @@ def test_backchannels_can_be_switched_off_and_relay_flag_reaches_the_llm():
     audio = np.concatenate([silence(0.5), part, silence(0.9), tone_speech("it was very good"), silence(3.0)])
     result = replay(core, clock, audio, COSTS)
     assert not result.events("backchannel")
-    assert stages.llm.relays == [False]
+    assert stages.llm.relays and set(stages.llm.relays) == {False}

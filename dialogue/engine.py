@@ -1,0 +1,502 @@
+"""The duplex dialogue engine: one `llm` stage that listens, decides when to speak, and answers
+through a relay of a fast drafter and a slow model.
+
+Per session it keeps two conversations in session KV caches (`dialogue.conversation`): the
+drafter's (SmolLM2-135M) and the slow model's (the profile's `llm`, in-process), or a client of an
+OpenAI-compatible server for the slow model. Steps (all run on the device executor, never on the
+event loop):
+
+* `ListenStep(messages, text)`: the user is talking and the ASR has `text` so far. Both caches get
+  the open user message (only what changed since the last slice is prefilled; a revised partial
+  rolls back to the first changed token). The turn head reads the drafter's hidden state at the
+  last word: P(LISTEN), P(BACKCHANNEL), P(SPEAK).
+* `OverlapStep(text)`: the user spoke while the service was speaking; the overlap head says
+  backchannel (keep talking) or interruption (stop).
+* `RespondStep(messages, max_tokens)`: the first step of an answer drafts up to five words with the
+  drafter, the verifier scores the draft, and a committed prefix is returned at once; later steps
+  (`messages=None`) continue with the slow model from the committed prefix, so the utterance is
+  one answer. A discarded draft costs only the draft: the slow model answers alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from dialogue import llm_weights
+from dialogue.conversation import ChatRenderer, Conversations, Track, pieces_for
+from dialogue.kv_cache import CachedLM
+from dialogue.llm import _torch_threads, text_delta
+from duplex.config import ComponentConfig, ConfigError
+from duplex.stage import SequentialBatchMixin
+
+log = logging.getLogger("duplex.dialogue")
+
+LISTEN, BACKCHANNEL, SPEAK = 0, 1, 2
+
+
+# -- options ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlowOptions:
+    """Options of the slow model (the `llm` component) when it runs in-process."""
+
+    dtype: str = "int8-dynamic"
+    max_new_tokens: int = 64
+    first_step_tokens: int = 4
+    step_tokens: int = 4
+    system_prompt: str = ""
+    threads: int | None = None
+    window_tokens: int = 1536
+    evict_chunk: int = 64
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any], what: str = "llm") -> SlowOptions:
+        return _options(cls, raw, what)
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """Options of the `drafter` component: the fast path, the heads and the verifier."""
+
+    dtype: str = "int8-dynamic"
+    #: draft the first words of each answer; false: the slow model answers alone
+    relay: bool = True
+    draft_words: int = 5
+    draft_tokens: int = 12
+    #: turn-taking heads and relay verifier weights; "shipped" = the files in dialogue/weights
+    heads: str = "shipped"
+    verifier: str = "shipped"
+    #: override the verifier's tuned threshold (null: the one stored with the weights)
+    verifier_threshold: float | None = None
+    window_tokens: int = 1024
+    evict_chunk: int = 64
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any], what: str = "drafter") -> DrafterOptions:
+        return _options(cls, raw, what)
+
+
+def _options(cls: Any, raw: Mapping[str, Any], what: str) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"{what}: unknown options {sorted(unknown)} (known: {', '.join(sorted(known))})")
+    opts = cls(**dict(raw))
+    if getattr(opts, "dtype", "float32") not in llm_weights.DTYPES:
+        raise ConfigError(f"{what}: dtype {opts.dtype!r} is not one of {', '.join(llm_weights.DTYPES)}")
+    for name in ("max_new_tokens", "first_step_tokens", "step_tokens", "draft_words", "draft_tokens"):
+        if hasattr(opts, name) and int(getattr(opts, name)) < 1:
+            raise ConfigError(f"{what}: {name} must be >= 1")
+    if int(opts.window_tokens) < 128:
+        raise ConfigError(f"{what}: window_tokens must be >= 128")
+    return opts
+
+
+# -- steps and outputs -----------------------------------------------------------------------
+
+
+@dataclass
+class ListenStep:
+    """The user is talking: `messages` is the history before this turn, `text` their words so far."""
+
+    messages: list[dict[str, str]]
+    text: str
+    #: also prefill the slow model (the live service does; evaluating the heads alone need not)
+    prefill_slow: bool = True
+
+
+@dataclass
+class OverlapStep:
+    """The user said `text` while the service was speaking."""
+
+    text: str
+
+
+@dataclass
+class RespondStep:
+    """First step of an answer (`messages` = history ending with the user turn) or a continuation."""
+
+    messages: list[dict[str, str]] | None = None
+    max_tokens: int = 4
+    #: None: the drafter's `relay` option decides
+    relay: bool | None = None
+
+
+@dataclass
+class ListenOutput:
+    probs: tuple[float, float, float]
+    prefill_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def decision(self) -> int:
+        return max(range(3), key=lambda i: self.probs[i])
+
+
+@dataclass
+class OverlapOutput:
+    p_interrupt: float
+    interrupt: bool
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RelayInfo:
+    draft: str
+    prefix: str
+    p_accept: float
+    committed: bool
+    draft_s: float
+
+
+@dataclass
+class RespondOutput:
+    """Text decoded in this step (complete characters only) and bookkeeping."""
+
+    text: str
+    done: bool
+    n_tokens: int
+    prefill_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)
+    relay: RelayInfo | None = None
+
+
+@dataclass
+class DialogueState:
+    """Per-session state: the drafter's and the slow model's conversations and the answer."""
+
+    drafter: Track | None
+    slow: Track | None
+    remote: Any = None  # RemoteStream of the answer in progress (slow model on a server)
+    response_ids: list[int] = field(default_factory=list)
+    emitted_chars: int = 0
+    pending: list[int] = field(default_factory=list)  # generated, not yet fed to the slow cache
+    prefix: str = ""  # committed draft, not yet given to the slow model
+    messages: list[dict[str, str]] | None = None  # the answer's history (for the slow model's sync)
+    done: bool = True
+    #: the slow cache ends with this answer (a listen step in between moves it to the user's words)
+    answer_live: bool = False
+
+
+# -- the stage -------------------------------------------------------------------------------
+
+
+class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
+    """Listen / overlap / respond steps over a drafter and a slow model; one instance, many sessions."""
+
+    kind = "llm"
+
+    def __init__(
+        self,
+        slow_model: Any,
+        slow_tokenizer: Any,
+        slow_options: SlowOptions,
+        drafter_model: Any = None,
+        drafter_tokenizer: Any = None,
+        drafter_options: DrafterOptions | None = None,
+        heads: Any = None,
+        policy: Any = None,
+        verifier: Any = None,
+        verifier_threshold: float = 0.5,
+        remote: Any = None,
+    ) -> None:
+        self.slow_options = slow_options
+        self.drafter_options = drafter_options or DrafterOptions()
+        self.system_prompt = slow_options.system_prompt.strip()
+        self.remote = remote
+        self.slow: Conversations | None = None
+        self.slow_tokenizer = slow_tokenizer
+        if slow_model is not None:
+            r = ChatRenderer(slow_tokenizer, self.system_prompt)
+            lm = CachedLM(slow_model, sink_tokens=len(r.system_ids), window_tokens=slow_options.window_tokens,
+                          evict_chunk=slow_options.evict_chunk)
+            self.slow = Conversations(lm, r)
+            self.slow_stop = _stop_ids(slow_tokenizer)
+        self.drafter: Conversations | None = None
+        self.drafter_tokenizer = drafter_tokenizer
+        if drafter_model is not None:
+            r = ChatRenderer(drafter_tokenizer, self.system_prompt)
+            o = self.drafter_options
+            lm = CachedLM(drafter_model, sink_tokens=len(r.system_ids), window_tokens=o.window_tokens,
+                          evict_chunk=o.evict_chunk)
+            self.drafter = Conversations(lm, r)
+            self.drafter_stop = _stop_ids(drafter_tokenizer)
+        self.heads = heads
+        self.policy = policy
+        self.verifier = verifier
+        self.verifier_threshold = verifier_threshold
+        if self.slow is None and self.remote is None:
+            raise ValueError("the dialogue engine needs a slow model: in-process or remote")
+
+    # -- state ------------------------------------------------------------------------------
+
+    def init_state(self) -> DialogueState:
+        with torch.inference_mode():
+            return DialogueState(
+                drafter=self.drafter.new_track() if self.drafter else None,
+                slow=self.slow.new_track() if self.slow else None,
+            )
+
+    @property
+    def listens(self) -> bool:
+        """Turn-taking heads are loaded (the session core asks ListenSteps only then)."""
+        return self.drafter is not None and self.heads is not None
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def step(self, state: DialogueState, chunk: Any) -> tuple[Any, DialogueState]:
+        with torch.inference_mode(), _torch_threads(self.slow_options.threads):
+            if isinstance(chunk, ListenStep):
+                return self._listen(state, chunk), state
+            if isinstance(chunk, OverlapStep):
+                return self._overlap(chunk), state
+            if isinstance(chunk, RespondStep) or hasattr(chunk, "max_tokens"):
+                return self._respond(state, chunk), state
+        raise TypeError(f"dialogue engine: unknown step {type(chunk).__name__}")
+
+    def _listen(self, state: DialogueState, step: ListenStep) -> ListenOutput:
+        from dialogue.turn_taking import normalize_user_text
+
+        t0 = time.perf_counter()
+        self._close_remote(state)
+        text = normalize_user_text(step.text)
+        fed = 0
+        probs = (1.0, 0.0, 0.0)
+        if self.drafter is not None and state.drafter is not None and text:
+            # the drafter reads ASR text without punctuation (the heads and the verifier were trained so)
+            fed += self.drafter.sync(state.drafter, pieces_for(self.drafter.renderer, _normalized(step.messages),
+                                                               open_user=text))
+            if self.heads is not None:
+                h = state.drafter.cache.hidden
+                assert h is not None
+                p = self.heads.turn(h.float()).tolist()
+                probs = (float(p[0]), float(p[1]), float(p[2]))
+        t1 = time.perf_counter()
+        state.answer_live = False
+        if self.slow is not None and state.slow is not None and text and step.prefill_slow:
+            # time-sliced prefill of the slow model too, so its answer starts with little left to read
+            fed += self.slow.sync(state.slow, pieces_for(self.slow.renderer, step.messages, open_user=step.text.strip()))
+        t2 = time.perf_counter()
+        return ListenOutput(probs, fed, {"drafter_s": t1 - t0, "slow_s": t2 - t1, "total_s": t2 - t0})
+
+    def _overlap(self, step: OverlapStep) -> OverlapOutput:
+        from dialogue.turn_taking import normalize_user_text
+
+        t0 = time.perf_counter()
+        if self.drafter is None or self.heads is None:
+            return OverlapOutput(1.0, True, {"total_s": 0.0})
+        text = normalize_user_text(step.text)
+        if not text:
+            return OverlapOutput(0.0, False, {"total_s": time.perf_counter() - t0})
+        track = self.drafter.new_track()
+        self.drafter.sync(track, pieces_for(self.drafter.renderer, [], open_user=text))
+        h = track.cache.hidden
+        assert h is not None
+        p = float(self.heads.overlap(h.float()))
+        thr = float(getattr(self.policy, "interrupt_threshold", 0.5))
+        return OverlapOutput(p, p >= thr, {"total_s": time.perf_counter() - t0})
+
+    def _respond(self, state: DialogueState, step: Any) -> RespondOutput:
+        t0 = time.perf_counter()
+        relay_info: RelayInfo | None = None
+        prefill = 0
+        if step.messages is not None:
+            self._close_remote(state)
+            msgs = [m for m in step.messages if m.get("role") != "system"]
+            state.messages = msgs
+            state.response_ids, state.emitted_chars, state.pending = [], 0, []
+            state.prefix, state.done = "", False
+            relay = self.drafter_options.relay if getattr(step, "relay", None) is None else bool(step.relay)
+            if relay and self.drafter is not None and self.verifier is not None and state.drafter is not None:
+                relay_info = self._draft(state, msgs)
+                if relay_info.committed:
+                    state.prefix = relay_info.prefix
+                    t = relay_info.draft_s
+                    return RespondOutput(relay_info.prefix, False, 0, 0,
+                                         {"draft_s": t, "prefill_s": 0.0, "decode_s": 0.0, "total_s": t},
+                                         relay_info)
+        t1 = time.perf_counter()
+        if state.done:
+            return RespondOutput("", True, 0, 0, {"total_s": 0.0})
+        if self.remote is not None:
+            text, n = self._remote_step(state, step.max_tokens)
+        else:
+            if state.messages is not None and (step.messages is not None or not state.answer_live):
+                prefill = self._slow_sync(state)
+            text, n = self._slow_decode(state, step.max_tokens)
+        t2 = time.perf_counter()
+        timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0}
+        if relay_info is not None:
+            timings["draft_s"] = relay_info.draft_s
+        return RespondOutput(text, state.done, n, prefill, timings, relay_info)
+
+    # -- relay ------------------------------------------------------------------------------
+
+    def _draft(self, state: DialogueState, msgs: list[dict[str, str]]) -> RelayInfo:
+        from dialogue.verifier import draft_stop, prefix_text, token_stats
+
+        assert self.drafter is not None and state.drafter is not None
+        t0 = time.perf_counter()
+        o = self.drafter_options
+        conv, track = self.drafter, state.drafter
+        conv.sync(track, pieces_for(conv.renderer, _normalized(msgs), answer_prefix=""))
+        hidden: list[torch.Tensor] = []
+        stats: list[tuple[float, float, float]] = []
+        ids: list[int] = []
+        ended = False
+        while len(ids) < o.draft_tokens:
+            logits, h = track.cache.logits, track.cache.hidden
+            assert logits is not None and h is not None
+            tok = int(torch.argmax(logits))
+            if tok in self.drafter_stop:
+                ended = True
+                break
+            hidden.append(h.float())
+            stats.append(token_stats(logits, tok))
+            ids.append(tok)
+            text = self.drafter_tokenizer.decode(ids, skip_special_tokens=True)
+            if draft_stop(text, len(ids), max_words=o.draft_words, max_tokens=o.draft_tokens):
+                break
+            conv.append(track, [tok])
+        draft = self.drafter_tokenizer.decode(ids, skip_special_tokens=True)
+        prefix = prefix_text(draft, ended=ended, max_words=o.draft_words)
+        p = 0.0
+        if hidden and prefix.strip():
+            hs = torch.stack(hidden)[None]
+            st = torch.tensor(stats, dtype=torch.float32)[None]
+            mask = torch.ones(1, len(stats))
+            p = float(self.verifier(hs, st, mask)[0])
+        committed = bool(prefix.strip()) and p >= self.verifier_threshold
+        return RelayInfo(draft, prefix if committed else "", p, committed, time.perf_counter() - t0)
+
+    # -- slow model -------------------------------------------------------------------------
+
+    def _slow_sync(self, state: DialogueState) -> int:
+        assert self.slow is not None and state.slow is not None and state.messages is not None
+        # the committed draft, and on a resync (after a listen step) what was decoded already
+        said = state.prefix + self.slow_tokenizer.decode(state.response_ids, skip_special_tokens=True) \
+            if state.response_ids else state.prefix
+        target = pieces_for(self.slow.renderer, state.messages, answer_prefix=said)
+        n = self.slow.sync(state.slow, target)
+        state.pending = []
+        state.answer_live = True
+        return n
+
+    def _slow_decode(self, state: DialogueState, max_tokens: int) -> tuple[str, int]:
+        assert self.slow is not None and state.slow is not None
+        new = 0
+        o = self.slow_options
+        while not state.done and new < max_tokens:
+            if state.pending:
+                self.slow.append(state.slow, state.pending)
+                state.pending = []
+            logits = state.slow.cache.logits
+            assert logits is not None
+            tok = int(torch.argmax(logits))
+            if tok in self.slow_stop:
+                state.done = True
+                break
+            state.response_ids.append(tok)
+            state.pending = [tok]
+            new += 1
+            if len(state.response_ids) >= o.max_new_tokens:
+                state.done = True
+        text, state.emitted_chars = text_delta(self.slow_tokenizer, state.response_ids, state.emitted_chars, state.done)
+        return text, new
+
+    def _remote_step(self, state: DialogueState, max_tokens: int) -> tuple[str, int]:
+        if state.remote is None:
+            assert state.messages is not None
+            state.remote = self.remote.start(state.messages, prefix=state.prefix)
+        text, done = state.remote.read(max_tokens)
+        if done:
+            state.done = True
+            self._close_remote(state)
+        return text, len(text.split())
+
+    def _close_remote(self, state: DialogueState) -> None:
+        if state.remote is not None:
+            try:
+                state.remote.close()
+            finally:
+                state.remote = None
+
+    # -- offline convenience ----------------------------------------------------------------
+
+    def generate(self, messages: list[dict[str, str]], state: DialogueState | None = None,
+                 relay: bool | None = None) -> tuple[str, RelayInfo | None]:
+        """The whole reply to `messages` in the stage's own step sizes, and what the relay did."""
+        state = state if state is not None else self.init_state()
+        out, state = self.step(state, RespondStep(messages, self.slow_options.first_step_tokens, relay))
+        parts, info = [out.text], out.relay
+        while not out.done:
+            out, state = self.step(state, RespondStep(None, self.slow_options.step_tokens))
+            parts.append(out.text)
+        return "".join(parts), info
+
+
+def _normalized(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """User messages as the drafter sees them (ASR text without punctuation)."""
+    from dialogue.turn_taking import normalize_user_text
+
+    return [{"role": m["role"], "content": normalize_user_text(m["content"])} if m.get("role") == "user" else m
+            for m in messages]
+
+
+def _stop_ids(tok: Any) -> frozenset[int]:
+    ids = {tok.eos_token_id}
+    for special in ("<|im_end|>", "<|endoftext|>"):
+        i = tok.convert_tokens_to_ids(special)
+        if isinstance(i, int) and i != tok.unk_token_id:
+            ids.add(i)
+    return frozenset(i for i in ids if isinstance(i, int))
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def load_dialogue_stage(llm: ComponentConfig, drafter: ComponentConfig | None, progress: bool = True) -> DialogueStage:
+    """The engine of a profile: its `llm` (slow model, in-process or `openai-chat`) and optional
+    `drafter` component (fast path, turn-taking heads, relay verifier)."""
+    slow_model = slow_tok = remote = None
+    if llm.backend == "openai-chat":
+        from dialogue.remote_llm import RemoteChatLlm, RemoteLlmOptions
+
+        ropts = RemoteLlmOptions.from_mapping(llm.options)
+        remote = RemoteChatLlm(ropts)
+        slow_options = SlowOptions(system_prompt=ropts.system_prompt, max_new_tokens=ropts.max_tokens)
+    elif llm.backend in ("transformers-gguf", "transformers"):
+        slow_options = SlowOptions.from_mapping(llm.options)
+        slow_model, slow_tok = llm_weights.load(llm.weights, slow_options.dtype, progress=progress)
+    else:
+        raise ConfigError(f"llm: backend {llm.backend!r} is not one of transformers-gguf, transformers, openai-chat")
+    d_model = d_tok = heads = policy = verifier = None
+    d_opts = None
+    threshold = 0.5
+    if drafter is not None:
+        if drafter.backend not in ("transformers-gguf", "transformers"):
+            raise ConfigError(f"drafter: backend {drafter.backend!r} is not one of transformers-gguf, transformers")
+        d_opts = DrafterOptions.from_mapping(drafter.options)
+        d_model, d_tok = llm_weights.load(drafter.weights, d_opts.dtype, progress=progress)
+        from dialogue.turn_taking import load_turn_heads
+        from dialogue.verifier import load_verifier
+
+        heads, policy, _ = load_turn_heads(None if d_opts.heads == "shipped" else _path(d_opts.heads))
+        verifier, threshold, _ = load_verifier(None if d_opts.verifier == "shipped" else _path(d_opts.verifier))
+        if d_opts.verifier_threshold is not None:
+            threshold = float(d_opts.verifier_threshold)
+    return DialogueStage(slow_model, slow_tok, slow_options, d_model, d_tok, d_opts, heads, policy, verifier,
+                         threshold, remote)
+
+
+def _path(p: str) -> Any:
+    from pathlib import Path
+
+    return Path(p).expanduser()

@@ -1,0 +1,218 @@
+"""The dialogue engine's conversations in session KV caches, with tiny seeded models.
+
+A tiny ChatML tokenizer is trained here (byte-level BPE) and tiny random Llama/Qwen2 models are
+built from configs, so nothing is downloaded. They prove: the conversation continued through the
+session cache equals a full re-prefill; slice-by-slice listening with revised partials rolls back
+exactly; an answer cut at a barge-in is rolled back to the heard words; sinks + window keep a
+session's memory flat over thousands of turns; the relay commits or discards a draft.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from dialogue.conversation import ChatRenderer, Conversations, pieces_for
+from dialogue.engine import DialogueStage, DrafterOptions, ListenStep, OverlapStep, RespondStep, SlowOptions
+from dialogue.kv_cache import CachedLM
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "what is the capital of france", "the capital of france is paris", "tell me a story please",
+    "once upon a time there was a cat", "how are you today", "i am fine thanks", "stop what is two plus two",
+    "two plus two is four", "you are a friendly voice assistant on a phone call",
+] * 20
+SYSTEM = "You are a friendly voice assistant on a phone call."
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny models: thread hand-offs cost more than the matmuls
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def tiny(arch: str, vocab: int, seed: int):
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+    model = LlamaForCausalLM(LlamaConfig(**kw)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**kw))
+    return model.eval()
+
+
+def fresh_logits(model, ids):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_conversation_through_the_cache_equals_a_full_reprefill(tokenizer, arch):
+    model = tiny(arch, len(tokenizer), 0)
+    r = ChatRenderer(tokenizer, SYSTEM)
+    conv = Conversations(CachedLM(model, sink_tokens=len(r.system_ids), window_tokens=4000), r)
+    track = conv.new_track()
+    history: list[dict[str, str]] = []
+    for user, bot in [("what is the capital of france", "the capital of france is paris"),
+                      ("tell me a story", "once upon a time there was a cat"), ("how are you", "i am fine")]:
+        # the user's words arrive slice by slice, with one revision, then the turn ends
+        words = user.split()
+        for k in range(1, len(words) + 1):
+            conv.sync(track, pieces_for(r, history, open_user=" ".join(words[:k])))
+        conv.sync(track, pieces_for(r, history, open_user=user + " x"))  # a partial the ASR revised
+        fed = conv.sync(track, pieces_for(r, history + [{"role": "user", "content": user}], answer_prefix=""))
+        assert fed <= len(r.encode(" x<|im_end|>\n<|im_start|>assistant\n")) + 1  # little left at the end of turn
+        history += [{"role": "user", "content": user}, {"role": "assistant", "content": bot}]
+        conv.sync(track, pieces_for(r, history))
+        ids = r.system_ids + [i for p in pieces_for(r, history) for i in p.ids]
+        assert track.cache.ids == ids
+        torch.testing.assert_close(track.cache.logits, fresh_logits(model, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_rollback_of_a_revised_partial_restores_exact_logits(tokenizer):
+    model = tiny("llama", len(tokenizer), 1)
+    r = ChatRenderer(tokenizer, SYSTEM)
+    conv = Conversations(CachedLM(model, sink_tokens=len(r.system_ids), window_tokens=4000), r)
+    track = conv.new_track()
+    conv.sync(track, pieces_for(r, [], open_user="what is the capital"))
+    before = track.cache.logits.clone()
+    conv.sync(track, pieces_for(r, [], open_user="what is the capital of spain"))
+    fed = conv.sync(track, pieces_for(r, [], open_user="what is the capital"))
+    assert fed == 0  # the slice boundary was a checkpoint: nothing is re-run
+    assert torch.equal(track.cache.logits, before)
+    # a rollback to a position that was never a slice boundary re-runs only the last kept token
+    fed = conv.sync(track, pieces_for(r, [], open_user="what is the cap"))
+    assert fed <= 2
+    ids = r.system_ids + r.message_ids("user", "what is the cap", complete=False)
+    torch.testing.assert_close(track.cache.logits, fresh_logits(model, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_answer_cut_at_barge_in_keeps_only_the_heard_words(tokenizer):
+    model = tiny("qwen2", len(tokenizer), 2)
+    r = ChatRenderer(tokenizer, SYSTEM)
+    conv = Conversations(CachedLM(model, sink_tokens=len(r.system_ids), window_tokens=4000), r)
+    track = conv.new_track()
+    hist = [{"role": "user", "content": "tell me a story"}]
+    conv.sync(track, pieces_for(r, hist, answer_prefix=""))
+    conv.append(track, r.encode("once upon a time there was a cat"))
+    heard = hist + [{"role": "assistant", "content": "once upon a time"}]
+    conv.sync(track, pieces_for(r, heard + [{"role": "user", "content": "stop"}]))
+    ids = r.system_ids + [i for p in pieces_for(r, heard + [{"role": "user", "content": "stop"}]) for i in p.ids]
+    assert track.cache.ids == ids
+    torch.testing.assert_close(track.cache.logits, fresh_logits(model, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_memory_stays_flat_over_thousands_of_turns(tokenizer):
+    model = tiny("llama", len(tokenizer), 3)
+    r = ChatRenderer(tokenizer, SYSTEM)
+    lm = CachedLM(model, sink_tokens=len(r.system_ids), window_tokens=256, evict_chunk=32)
+    conv = Conversations(lm, r)
+    track = conv.new_track()
+    history: list[dict[str, str]] = []
+    sizes = []
+    for turn in range(3000):
+        history += [{"role": "user", "content": f"{CORPUS[turn % 9]} {turn}"},
+                    {"role": "assistant", "content": CORPUS[(turn + 1) % 9]}]
+        if len(history) > 24:
+            del history[:12]  # the session core trims its history in bulk
+        conv.sync(track, pieces_for(r, history))
+        sizes.append((lm.nbytes(track.cache), len(track.pieces)))
+        assert len(track.cache.ids) <= lm.capacity
+        assert track.cache.ids[: len(r.system_ids)] == r.system_ids  # the system prompt is the sink
+    assert max(s for s, _ in sizes[100:]) == max(s for s, _ in sizes)  # flat after warm-up
+    assert max(n for _, n in sizes) <= 64 + 26
+    assert track.rebuilds == 0  # trimming the history does not re-prefill the window each time
+    assert torch.isfinite(track.cache.logits).all()
+
+
+class _Heads(torch.nn.Module):
+    def turn(self, h):
+        return torch.tensor([0.1, 0.1, 0.8])
+
+    def overlap(self, h):
+        return torch.tensor(0.9)
+
+
+class _Verifier(torch.nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, hidden, stats, mask):
+        return torch.full((hidden.shape[0],), self.p)
+
+
+@pytest.mark.parametrize("p_accept", [0.9, 0.1])
+def test_relay_commits_or_discards_the_draft_and_the_slow_model_continues(tokenizer, p_accept):
+    slow, drafter = tiny("qwen2", len(tokenizer), 4), tiny("llama", len(tokenizer), 5)
+    stage = DialogueStage(slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12), drafter, tokenizer,
+                          DrafterOptions(draft_words=3), _Heads(), None, _Verifier(p_accept), 0.5)
+    state = stage.init_state()
+    listen, state = stage.step(state, ListenStep([], "what is the capital of france"))
+    assert listen.probs[2] == pytest.approx(0.8) and listen.prefill_tokens > 0
+    over, _ = stage.step(state, OverlapStep("stop"))
+    assert over.interrupt
+    msgs = [{"role": "user", "content": "what is the capital of france"}]
+    out, state = stage.step(state, RespondStep(msgs, 4))
+    assert out.relay is not None and out.relay.committed == (p_accept >= 0.5)
+    text = out.text
+    while not out.done:
+        out, state = stage.step(state, RespondStep(None, 4))
+        text += out.text
+    if p_accept >= 0.5:
+        assert text.startswith(out_prefix := stage_prefix(state)) and out_prefix
+        # the slow model's cache holds the committed draft followed by its own continuation
+        gen = stage.slow.renderer.generation_ids
+        answer = state.slow.pieces[-1]
+        assert answer.ids[: len(gen)] == gen
+        tail = tokenizer.decode(answer.ids[len(gen) :])
+        assert tail.startswith(out_prefix) and text.startswith(tail) and len(tail) > len(out_prefix)
+    slow_only, _ = DialogueStage(slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12)).generate(msgs)
+    if p_accept < 0.5:
+        assert text == slow_only  # a discarded draft leaves no trace in the answer
+
+
+def stage_prefix(state) -> str:
+    return state.prefix
+
+
+def test_relay_hands_the_committed_prefix_to_a_remote_slow_model(tokenizer):
+    from dialogue.remote_llm import RemoteChatLlm
+    from tests.test_remote_llm import FakeOpenAI
+
+    fake = FakeOpenAI()
+    try:
+        remote = RemoteChatLlm({"base_url": fake.base_url, "model": "slow", "system_prompt": SYSTEM})
+        drafter = tiny("llama", len(tokenizer), 6)
+        stage = DialogueStage(None, None, SlowOptions(system_prompt=SYSTEM), drafter, tokenizer,
+                              DrafterOptions(draft_words=3), _Heads(), None, _Verifier(0.9), 0.5, remote)
+        msgs = [{"role": "user", "content": "what is the capital of france"}]
+        text, info = stage.generate(msgs)
+        assert info is not None and info.committed and info.prefix
+        assert text == info.prefix + "Paris is the capital."  # joined verbatim: the server continues the prefix
+        body = fake.requests[-1].body
+        assert body["messages"][0] == {"role": "system", "content": SYSTEM}
+        assert body["messages"][-1] == {"role": "assistant", "content": info.prefix}
+        assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+    finally:
+        fake.close()
