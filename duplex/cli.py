@@ -129,7 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tones", action="store_true",
                    help="with --serve --transport: tone stages instead of models, to measure the adapters alone")
     b.set_defaults(func=_bench)
+
+    e = sub.add_parser("eval", help="evaluate a part of the service on held-out data")
+    esub = e.add_subparsers(dest="what", required=True)
+    ed = esub.add_parser("dialogue", help="turn-taking takeover rates, relay vs slow-only onset and quality")
+    from duplex.eval_dialogue import add_arguments as add_eval_dialogue_arguments
+
+    add_eval_dialogue_arguments(ed)
+    ed.set_defaults(func=_eval_dialogue)
     return p
+
+
+def _eval_dialogue(args: argparse.Namespace) -> int:
+    from duplex.eval_dialogue import run
+
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

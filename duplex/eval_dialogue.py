@@ -1,0 +1,412 @@
+"""`duplex eval dialogue`: how well the dialogue engine takes turns and how much the relay buys.
+
+Everything runs through the engine's own steps (the code the server runs), on held-out data that
+training never saw (`dialogue/data/turn_eval.jsonl`, `dialogue/data/relay_eval.jsonl`):
+
+1. **Turn-taking on held-out text**: each example's words are listened to as the engine does at a
+   pause; takeover rate on mid-sentence cuts (LISTEN, lower is better) and on complete turns
+   (SPEAK, higher is better), the 3-class confusion, and backchannel-vs-interruption accuracy.
+2. **Turn-taking on synthesised speech**: the same for a sample spoken by hibari and transcribed
+   by the packaged ASR, so ASR errors and punctuation are in the loop.
+3. **Relay versus slow-only** on the same prompts, alternating which goes first: onset (end of
+   turn -> first audio chunk from the TTS, after the user's words were prefilled slice by slice as
+   in the live service), fraction of drafts committed, verifier AUROC against the slow model's own
+   judgement of each draft, and answer quality judged by the slow model (the same judge for both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("duplex.eval")
+
+DATA = Path(__file__).resolve().parent.parent / "dialogue" / "data"
+LABELS = ("listen", "backchannel", "speak")
+JUDGE_SYSTEM = "You grade the replies of a friendly voice assistant on a phone call. You are strict and fair."
+JUDGE_PROMPT = (
+    "{context}The caller said: \"{text}\"\nThe assistant replied: \"{answer}\"\n\n"
+    "Rate the reply from 1 (wrong, off-topic, broken or rambling) to 9 (correct, helpful, natural and short). "
+    "Answer with a single digit."
+)
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs, dtype=float), q)) if xs else float("nan")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise SystemExit(f"eval dialogue: {path} is missing (it ships with the repository; see dialogue/train_*.py)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- 1/2: turn-taking ---------------------------------------------------------------------------
+
+
+def decide(probs: Sequence[float], speak_thr: float, bc_thr: float) -> int:
+    """The session core's rule (duplex.session._on_listen)."""
+    p_listen, p_bc, p_speak = probs
+    if p_speak >= speak_thr:
+        return 2
+    if p_bc >= bc_thr and p_bc >= p_listen:
+        return 1
+    return 0
+
+
+def turn_metrics(pairs: list[tuple[int, int]]) -> dict[str, Any]:
+    """pairs of (label, decision) -> takeover rates and the confusion matrix.
+
+    A takeover is the service answering during a pause of ~1.3 s: decision `speak` (answers after
+    500 ms) or `backchannel` (says mm-hmm, answers after 1 s if they do not go on); `listen` waits
+    2 s. `fast_takeover` counts `speak` alone (the 500 ms hangover)."""
+    conf = [[0, 0, 0] for _ in range(3)]
+    for y, d in pairs:
+        conf[y][d] += 1
+    n_listen, n_speak = sum(conf[0]), sum(conf[2])
+    return {
+        "pause_takeover": (conf[0][1] + conf[0][2]) / n_listen if n_listen else float("nan"),
+        "n_listen": n_listen,
+        "complete_takeover": (conf[2][1] + conf[2][2]) / n_speak if n_speak else float("nan"),
+        "fast_takeover": conf[2][2] / n_speak if n_speak else float("nan"),
+        "n_speak": n_speak,
+        "backchannel_recall": conf[1][1] / sum(conf[1]) if sum(conf[1]) else float("nan"),
+        "n_backchannel": sum(conf[1]),
+        "confusion": {LABELS[i]: dict(zip(LABELS, conf[i], strict=True)) for i in range(3)},
+    }
+
+
+def eval_turns_text(stage: Any, examples: list[dict[str, Any]], speak_thr: float, bc_thr: float,
+                    progress: bool) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    from dialogue.engine import ListenStep, OverlapStep
+
+    pairs: list[tuple[int, int]] = []
+    overlap_ok: list[bool] = []
+    for ex in tqdm(examples, desc="turn heads (text)", disable=not progress):
+        state = stage.init_state()
+        if ex.get("head", "turn") == "overlap":
+            out, _ = stage.step(state, OverlapStep(ex["text"]))
+            overlap_ok.append(bool(out.interrupt) == (int(ex["label"]) == 1))
+        else:
+            out, _ = stage.step(state, ListenStep(list(ex.get("history") or []), ex["text"], prefill_slow=False))
+            pairs.append((int(ex["label"]), decide(out.probs, speak_thr, bc_thr)))
+    m = turn_metrics(pairs)
+    m["overlap_accuracy"] = sum(overlap_ok) / len(overlap_ok) if overlap_ok else float("nan")
+    m["n_overlap"] = len(overlap_ok)
+    return m
+
+
+def eval_turns_speech(stage: Any, asr: Any, examples: list[dict[str, Any]], n: int, speak_thr: float,
+                      bc_thr: float, seed: int, progress: bool) -> dict[str, Any]:
+    """Speak the words with hibari, transcribe them with the profile's ASR, then listen."""
+    from tqdm.auto import tqdm
+
+    from asr.moonshine import AsrChunk
+    from codec.resample import resample
+    from dialogue.engine import ListenStep
+    from tts.hibari_tts import SAMPLE_RATE, HibariSynth
+
+    rng = random.Random(seed)
+    by_label: dict[int, list[dict[str, Any]]] = {0: [], 2: []}
+    for ex in examples:
+        if ex.get("head", "turn") == "turn" and int(ex["label"]) in by_label:
+            by_label[int(ex["label"])].append(ex)
+    chosen = []
+    for lab in (0, 2):
+        rng.shuffle(by_label[lab])
+        chosen += by_label[lab][: n // 2]
+    synth = HibariSynth(threads=1, seed=seed)
+    pairs: list[tuple[int, int]] = []
+    wrong: list[dict[str, Any]] = []
+    for ex in tqdm(chosen, desc="turn heads (speech)", disable=not progress):
+        audio = resample(synth.synthesize(ex["text"]), SAMPLE_RATE, 16000).astype(np.float32)
+        out, _ = asr.step(asr.init_state(), AsrChunk(samples=audio, transcribe=True, final=True))
+        heard = str(getattr(out, "text", "") or "")
+        res, _ = stage.step(stage.init_state(), ListenStep(list(ex.get("history") or []), heard, prefill_slow=False))
+        d = decide(res.probs, speak_thr, bc_thr)
+        pairs.append((int(ex["label"]), d))
+        if (d > 0) != (int(ex["label"]) == 2):
+            wrong.append({"text": ex["text"], "heard": heard, "label": LABELS[int(ex["label"])], "decision": LABELS[d]})
+    m = turn_metrics(pairs)
+    m["errors"] = wrong[:12]
+    return m
+
+
+# -- 3: relay versus slow-only -------------------------------------------------------------------
+
+
+def first_phrase_ready(text: str, done: bool, words: int = 3) -> bool:
+    """The session core's rule: enough complete words (or a punctuation break) to start speaking."""
+    ws = text.split()
+    complete = len(ws) - (0 if not text or text[-1].isspace() else 1)
+    return done or any(c in text for c in ",.;:!?") or complete >= words or len(ws) >= 12
+
+
+def run_answer(stage: Any, tts: Any, history: list[dict[str, str]], text: str, relay: bool) -> dict[str, Any]:
+    """One answer as the live service gives it: listen (prefill), then respond until the TTS has
+    the first audio (onset), then to the end."""
+    from dialogue.engine import ListenStep, RespondStep
+    from tts.hibari_tts import TtsInput
+
+    state = stage.init_state()
+    stage.step(state, ListenStep(history, text))  # the time-sliced prefill while the user spoke
+    msgs = history + [{"role": "user", "content": text}]
+    opts = stage.slow_options
+    t0 = time.perf_counter()
+    out, state = stage.step(state, RespondStep(msgs, opts.first_step_tokens, relay))
+    info = out.relay
+    answer, pending = out.text, out.text
+    tts_state = tts.init_state()
+    onset = None
+    while True:
+        if onset is None and first_phrase_ready(answer, out.done):
+            chunks, tts_state = tts.step(tts_state, TtsInput(pending, out.done))
+            pending = ""
+            if any(len(c.audio) for c in chunks):
+                onset = time.perf_counter() - t0
+        if out.done:
+            break
+        out, state = stage.step(state, RespondStep(None, opts.step_tokens))
+        answer += out.text
+        pending += out.text
+    if onset is None:
+        onset = time.perf_counter() - t0
+    return {
+        "answer": answer.strip(), "onset_s": onset, "total_s": time.perf_counter() - t0,
+        "committed": bool(info.committed) if info else False, "p": float(info.p_accept) if info else None,
+        "draft": info.draft if info else "", "prefix": info.prefix if info else "",
+    }
+
+
+def judge(stage: Any, history: list[dict[str, str]], text: str, answer: str) -> float:
+    """Expected grade 1..9 from the slow model's next-token distribution over the digits."""
+    import torch
+
+    model = stage.slow.lm.model
+    tok = stage.slow_tokenizer
+    context = "".join(f"{'Caller' if m['role'] == 'user' else 'Assistant'}: {m['content']}\n" for m in history[-4:])
+    context = f"Earlier in the call:\n{context}\n" if context else ""
+    msgs = [{"role": "system", "content": JUDGE_SYSTEM},
+            {"role": "user", "content": JUDGE_PROMPT.format(context=context, text=text, answer=answer or "(silence)")}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    digits = [tok.convert_tokens_to_ids(str(d)) for d in range(1, 10)]
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([list(ids)])).logits[0, -1].float()
+    p = torch.softmax(logits[digits], dim=-1)
+    return float((p * torch.arange(1, 10, dtype=torch.float32)).sum())
+
+
+def auroc(scores: Sequence[float], labels: Sequence[int]) -> float:
+    pos = [s for s, y in zip(scores, labels, strict=True) if y]
+    neg = [s for s, y in zip(scores, labels, strict=True) if not y]
+    if not pos or not neg:
+        return float("nan")
+    wins = sum((p > q) + 0.5 * (p == q) for p in pos for q in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def eval_relay(stage: Any, tts: Any, prompts: list[dict[str, Any]], progress: bool) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    rows = []
+    for i, pr in enumerate(tqdm(prompts, desc="relay vs slow-only", disable=not progress)):
+        history = [dict(m) for m in pr.get("history") or []]
+        text = pr["text"]
+        order = (True, False) if i % 2 == 0 else (False, True)
+        res = {}
+        for relay in order:
+            res[relay] = run_answer(stage, tts, history, text, relay)
+        for relay in (True, False):
+            res[relay]["quality"] = judge(stage, history, text, res[relay]["answer"])
+        label = None
+        if res[True]["draft"]:
+            label = int(_slow_accepts(stage, history, text, res[True]))
+        rows.append({"text": text, "history": history, "relay": res[True], "slow": res[False], "label": label})
+    return summarise_relay(rows)
+
+
+def _slow_accepts(stage: Any, history: list[dict[str, str]], text: str, r: dict[str, Any]) -> bool:
+    """The verifier's training label, recomputed for this draft: the slow model's own likelihood of
+    the draft's prefix in context (thresholds stored with the verifier), plus its forced negatives."""
+    from dialogue.train_verifier import forced_negative, score_prefix
+    from dialogue.turn_taking import normalize_user_text
+    from dialogue.verifier import chat_ids, load_verifier, prefix_text
+
+    _, _, meta = load_verifier()
+    prefix = r["prefix"] or prefix_text(r["draft"], ended=True)
+    if forced_negative({"prefix": prefix, "text": normalize_user_text(text)}):
+        return False
+    ctx = chat_ids(stage.slow_tokenizer, stage.system_prompt, history, normalize_user_text(text))
+    sc = score_prefix(stage.slow.lm.model, stage.slow_tokenizer, ctx, prefix)
+    return sc.mean >= float(meta["tau"]["mean"]) and sc.min >= float(meta["tau"]["min"])
+
+
+def summarise_relay(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    on_r = [r["relay"]["onset_s"] * 1000 for r in rows]
+    on_s = [r["slow"]["onset_s"] * 1000 for r in rows]
+    q_r = [r["relay"]["quality"] for r in rows]
+    q_s = [r["slow"]["quality"] for r in rows]
+    labelled = [(r["relay"]["p"], r["label"]) for r in rows if r["label"] is not None and r["relay"]["p"] is not None]
+    committed = [r["relay"]["committed"] for r in rows]
+    return {
+        "n": len(rows),
+        "onset_ms": {
+            "relay": {"p50": percentile(on_r, 50), "p90": percentile(on_r, 90)},
+            "slow_only": {"p50": percentile(on_s, 50), "p90": percentile(on_s, 90)},
+        },
+        "p90_ratio": percentile(on_r, 90) / percentile(on_s, 90) if rows else float("nan"),
+        "quality": {"relay": float(np.mean(q_r)) if q_r else float("nan"),
+                    "slow_only": float(np.mean(q_s)) if q_s else float("nan")},
+        "quality_ratio": float(np.mean(q_r) / np.mean(q_s)) if q_s and np.mean(q_s) > 0 else float("nan"),
+        "committed_fraction": sum(committed) / len(committed) if committed else float("nan"),
+        "verifier_auroc": auroc([p for p, _ in labelled], [y for _, y in labelled]),
+        "n_labelled": len(labelled),
+        "rows": rows,
+    }
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def fmt_pct(x: float) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f} %"
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = []
+    for key, title in (("turn_text", "turn-taking, held-out text"), ("turn_speech", "turn-taking, synthesised speech -> ASR")):
+        m = results.get(key)
+        if not m:
+            continue
+        lines.append(f"{title}:")
+        lines.append(f"  pause takeover    {fmt_pct(m['pause_takeover'])}  (n={m['n_listen']}, target <= 10 %)")
+        lines.append(f"  complete takeover {fmt_pct(m['complete_takeover'])}  (n={m['n_speak']}, target >= 90 %);"
+                     f" of which after the short hangover {fmt_pct(m['fast_takeover'])}")
+        if m.get("n_backchannel"):
+            lines.append(f"  backchannel recall {fmt_pct(m['backchannel_recall'])}  (n={m['n_backchannel']})")
+        if m.get("n_overlap"):
+            lines.append(f"  backchannel vs interruption accuracy {fmt_pct(m['overlap_accuracy'])}  (n={m['n_overlap']})")
+    r = results.get("relay")
+    if r:
+        o = r["onset_ms"]
+        lines.append(f"relay vs slow-only (n={r['n']} prompts, same run, alternating order):")
+        lines.append(f"  onset P50/P90 ms  relay {o['relay']['p50']:.0f}/{o['relay']['p90']:.0f}"
+                     f"   slow-only {o['slow_only']['p50']:.0f}/{o['slow_only']['p90']:.0f}"
+                     f"   P90 ratio {r['p90_ratio']:.2f} (target <= 0.50)")
+        lines.append(f"  quality (judge: slow model, 1-9) relay {r['quality']['relay']:.2f}  slow-only "
+                     f"{r['quality']['slow_only']:.2f}  ratio {fmt_pct(r['quality_ratio'])} (target >= 95 %)")
+        lines.append(f"  drafts committed {fmt_pct(r['committed_fraction'])}; verifier AUROC {r['verifier_auroc']:.3f}"
+                     f" (n={r['n_labelled']} labelled by the slow model)")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    r = results.get("relay")
+    ax = axes[0]
+    if r and r["rows"]:
+        for key, label in (("relay", "relay"), ("slow", "slow-only")):
+            xs = sorted(row[key]["onset_s"] * 1000 for row in r["rows"])
+            ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=f"{label} (n={len(xs)})")
+        ax.set_xlabel("onset: end of turn -> first TTS audio (ms)")
+        ax.set_ylabel("fraction of answers")
+        ax.set_title("relay vs slow-only onset")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    ax = axes[1]
+    names, vals = [], []
+    for key, tag in (("turn_text", "text"), ("turn_speech", "speech")):
+        m = results.get(key)
+        if m:
+            names += [f"pause\n({tag})", f"complete\n({tag})"]
+            vals += [m["pause_takeover"], m["complete_takeover"]]
+    if names:
+        ax.bar(names, [100 * v for v in vals], color=["#d62728", "#2ca02c"] * (len(names) // 2))
+        ax.axhline(10, color="#d62728", ls="--", lw=1)
+        ax.axhline(90, color="#2ca02c", ls="--", lw=1)
+        ax.set_ylabel("takeover rate (%)")
+        ax.set_title("turn-taking on held-out turns")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="duplex eval dialogue", description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--profile", default=None, help="models.yaml profile (default: the file's default)")
+    ap.add_argument("--relay-prompts", type=int, default=40, help="prompts for relay vs slow-only (0 skips)")
+    ap.add_argument("--speech", type=int, default=40, help="held-out turns spoken and transcribed (0 skips)")
+    ap.add_argument("--text", type=int, default=0, help="limit the held-out text examples (0 = all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="eval-out", help="folder for dialogue.json and dialogue.png")
+    ap.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from asr.moonshine import load_asr_stage
+    from dialogue.engine import load_dialogue_stage
+    from duplex.config import load_profile
+    from tts.hibari_tts import load_tts_stage
+
+    torch.manual_seed(args.seed)
+    progress = not args.no_progress
+    profile = load_profile(args.profile)
+    drafter = profile.components.get("drafter")
+    if drafter is None:
+        raise SystemExit(f"eval dialogue: profile {profile.name!r} has no drafter component (no turn heads to test)")
+    stage = load_dialogue_stage(profile.component("llm"), drafter, progress=progress)
+    if stage.slow is None:
+        raise SystemExit("eval dialogue: the judge is the in-process slow model; this profile's llm is remote")
+    speak_thr = float(stage.policy.speak_threshold)
+    bc_thr = float(stage.policy.backchannel_threshold)
+    results: dict[str, Any] = {"profile": profile.name, "speak_threshold": speak_thr,
+                               "backchannel_threshold": bc_thr, "date": time.strftime("%Y-%m-%d %H:%M")}
+    turn_examples = read_jsonl(DATA / "turn_eval.jsonl")
+    if args.text:
+        random.Random(args.seed).shuffle(turn_examples)
+        turn_examples = turn_examples[: args.text]
+    t = time.perf_counter()
+    results["turn_text"] = eval_turns_text(stage, turn_examples, speak_thr, bc_thr, progress)
+    results["turn_text"]["seconds"] = round(time.perf_counter() - t, 1)
+    if args.speech:
+        asr = load_asr_stage(profile.component("asr"))
+        t = time.perf_counter()
+        results["turn_speech"] = eval_turns_speech(stage, asr, read_jsonl(DATA / "turn_eval.jsonl"), args.speech,
+                                                   speak_thr, bc_thr, args.seed, progress)
+        results["turn_speech"]["seconds"] = round(time.perf_counter() - t, 1)
+    if args.relay_prompts:
+        tts = load_tts_stage(profile.component("tts"))
+        prompts = read_jsonl(DATA / "relay_eval.jsonl")
+        random.Random(args.seed).shuffle(prompts)
+        t = time.perf_counter()
+        results["relay"] = eval_relay(stage, tts, prompts[: args.relay_prompts], progress)
+        results["relay"]["seconds"] = round(time.perf_counter() - t, 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dialogue.json").write_text(json.dumps(results, indent=1, default=float))
+    plot(results, out / "dialogue.png")
+    print(report(results))
+    print(f"wrote {out / 'dialogue.json'} and {out / 'dialogue.png'}")
+    return 0
