@@ -34,6 +34,39 @@ class Playout:
         self._chunks: deque[ScheduledChunk] = deque()
         self._done: list[ScheduledChunk] = []  # fully released chunks of the current response
         self._end = 0.0  # time the last queued chunk stops playing
+        self._held_at: float | None = None  # hold(): no frames are released until resume()
+
+    @property
+    def held(self) -> bool:
+        return self._held_at is not None
+
+    def hold(self, now: float) -> None:
+        """Stop releasing frames (the user started talking over the answer and may only be saying
+        "uh-huh"): the unsent rest waits, and `resume` continues from exactly there."""
+        if self._held_at is not None:
+            return
+        self._held_at = now
+        if self._chunks and 0 < self._chunks[0].sent < len(self._chunks[0].audio):
+            # split the chunk being sent: what was released keeps its timing, the rest moves later
+            c = self._chunks[0]
+            cut = c.sent
+            frac = cut / len(c.audio)
+            words = c.text.split()
+            k = int(len(words) * frac)
+            self._chunks[0] = ScheduledChunk(c.audio[cut:], " ".join(words[k:]), c.start + cut / self.sr)
+            self._done.append(ScheduledChunk(c.audio[:cut], " ".join(words[:k]), c.start, cut))
+
+    def resume(self, now: float) -> None:
+        """Release frames again; everything not yet sent is shifted by the time spent on hold."""
+        if self._held_at is None:
+            return
+        # the listener heard the released audio, then silence for as long as the hold lasted
+        shift = max(0.0, now - self._held_at)
+        for c in self._chunks:
+            c.start += shift
+        if self._chunks:
+            self._end += shift
+        self._held_at = None
 
     def enqueue(self, now: float, audio: np.ndarray, text: str) -> None:
         start = max(now, self._end)
@@ -44,6 +77,8 @@ class Playout:
     def due_frames(self, now: float) -> list[np.ndarray]:
         """Frames whose play time is within `lead` of now, in order."""
         frames: list[np.ndarray] = []
+        if self._held_at is not None:
+            return frames
         while self._chunks:
             chunk = self._chunks[0]
             while chunk.sent < len(chunk.audio):
@@ -56,8 +91,8 @@ class Playout:
         return frames
 
     def next_due(self) -> float | None:
-        """Session time at which the next frame becomes due (None when nothing is queued)."""
-        if not self._chunks:
+        """Session time at which the next frame becomes due (None when nothing is queued or held)."""
+        if not self._chunks or self._held_at is not None:
             return None
         chunk = self._chunks[0]
         return chunk.start + chunk.sent / self.sr - self.lead
@@ -100,6 +135,7 @@ class Playout:
         self._chunks.clear()
         self._done.clear()
         self._end = 0.0
+        self._held_at = None
 
 
 def _first_words(text: str, fraction: float) -> str:

@@ -426,7 +426,7 @@ class SessionCore:
                 self.segment.pause_at = edge.sample - self.segment.start_sample
             self._speculate()
             seg = self.segment
-            if self.turn_taking and seg is not None and not seg.ended and seg.spec_valid() and seg.spec_final:
+            if self.turn_taking and seg is not None and not seg.ended and seg.spec_valid():
                 self._at_pause(seg)
         elif edge.kind == "resume":
             self._drop_speculation()
@@ -448,9 +448,12 @@ class SessionCore:
             return
         seg = self.segment
         if self.turn_taking and seg is not None and seg.overlap and seg.overlap_class != "interruption":
-            # a backchannel must not stop the answer: wait for the overlap head, unless the user
-            # has talked longer than any backchannel would last
+            # a backchannel must not end the answer: hold its audio at once (what was sent still
+            # plays) and let the overlap head decide, unless the user has talked longer than any
+            # backchannel would last
             if self.endpointer.speech_samples < SR * self.options.max_backchannel_ms / 1000:
+                if not self.playout.held:
+                    self.playout.hold(self.clock())
                 return
             seg.overlap_class = "interruption"
         self._interrupt(status="interrupted")
@@ -542,7 +545,7 @@ class SessionCore:
         elif self.endpointer.paused:
             if not seg.spec_valid():
                 self._submit_final(seg)
-            elif self.turn_taking and seg.spec_final:
+            elif self.turn_taking:
                 self._at_pause(seg)
             elif self.response is None and seg.spec_final:
                 self._start_response(seg.turn_id, seg.spec_final, committed=False)
@@ -571,9 +574,12 @@ class SessionCore:
             seg.overlap_class = "interruption"  # the answer ended meanwhile: an ordinary turn
         if self.turn_taking and seg.overlap and seg.overlap_class == "backchannel":
             self.segment = None
+            self._resume_playout()
             self._emit(Backchannel, turn_id=seg.turn_id, text=text, source="user")
             return
         self.segment = None
+        if not text:
+            self._resume_playout()
         marks = dict(seg.marks)
         marks["final_transcript"] = seg.spec_ready
         self._emit(TranscriptFinal, turn_id=seg.turn_id, text=text)
@@ -883,6 +889,8 @@ class SessionCore:
     def _at_pause(self, seg: Segment) -> None:
         """The user paused and the transcript up to the pause is known."""
         text = seg.spec_final or ""
+        if seg.overlap and not text.strip():
+            self._resume_playout()  # a cough or a breath over the answer: no words, go on
         if seg.overlap and seg.overlap_class is None:
             if self._speaking():
                 self._classify_overlap(seg)
@@ -950,8 +958,15 @@ class SessionCore:
                 self._listen(seg, seg.spec_final or "", seg.spec_at, at_pause=True)
         else:
             seg.overlap_class = "backchannel"
+            self._resume_playout()
             if seg.ended:
                 self._commit_turn(seg)
+
+    def _resume_playout(self) -> None:
+        """A held answer goes on (the user only backchanneled, coughed, or nothing was said)."""
+        if self.playout.held:
+            self.playout.resume(self.clock())
+            self.tick()
 
     def _maybe_end_early(self) -> None:
         """End a turn the turn head called complete once the short hangover has passed (or, at a

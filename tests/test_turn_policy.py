@@ -142,3 +142,22 @@ def test_backchannels_can_be_switched_off_and_relay_flag_reaches_the_llm():
     result = replay(core, clock, audio, COSTS)
     assert not result.events("backchannel")
     assert stages.llm.relays and set(stages.llm.relays) == {False}
+
+
+def test_answer_audio_is_held_at_once_and_resumed_after_a_backchannel():
+    core, clock, _ = make_core()
+    q = tone_speech("tell me a story")
+    t_talk = 0.5 + len(q) / SR + 2.5
+    yes = tone_speech("yes")
+    audio = np.concatenate([silence(0.5), q, silence(2.5), yes, silence(14.0)])
+    result = replay(core, clock, audio, COSTS)
+    frames = [f.t for f in result.audio_frames()]
+    # no answer audio leaves between ~100 ms after they start talking and the overlap head's verdict
+    gap_start = max(t for t in frames if t < t_talk + 0.2)
+    gap_end = min(t for t in frames if t > t_talk + 0.2)
+    assert gap_start < t_talk + 0.2 and gap_end - gap_start > 0.3
+    assert gap_end < t_talk + len(yes) / SR + 1.0  # resumed soon after the backchannel was recognised
+    # nothing was lost: the whole story was sent and it completed
+    done = result.events("response.done")[0]
+    assert done.status == "completed"
+    assert decode_tones(result.audio(), 24000) == done.text.split()
