@@ -312,7 +312,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             msgs = [m for m in step.messages if m.get("role") != "system"]
             state.messages = msgs
             state.response_ids, state.emitted_chars, state.pending = [], 0, []
-            state.prefix, state.done = "", False
+            state.prefix, state.done, state.answer_live = "", False, False
             relay = self.drafter_options.relay if getattr(step, "relay", None) is None else bool(step.relay)
             if relay and self.drafter is not None and self.verifier is not None and state.drafter is not None:
                 relay_info = self._draft(state, msgs)

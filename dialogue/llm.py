@@ -41,6 +41,8 @@ class LlmOptions:
     system_prompt: str = ""
     #: intra-op torch threads while this stage runs; None leaves the process setting alone
     threads: int | None = None
+    #: the session KV cache window of the dialogue engine (dialogue/engine.py); unused here
+    window_tokens: int = 1536
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> LlmOptions:

@@ -88,11 +88,28 @@ def _check_llm(cfg: ComponentConfig, prepare: bool, verify: bool) -> ComponentRe
                            "" if st.cached else "duplex models --prepare")
 
 
+def _check_remote(cfg: ComponentConfig) -> ComponentReport:
+    """A slow model on an OpenAI-compatible server: is it reachable, does it list models?"""
+    from dialogue.remote_llm import RemoteChatLlm, RemoteLlmOptions
+    from duplex.config import ConfigError
+    from duplex.errors import ModelError
+
+    try:
+        opts = RemoteLlmOptions.from_mapping({**cfg.options, "timeout_s": min(float(cfg.options.get("timeout_s", 5)), 5.0)})
+        models = RemoteChatLlm(opts).check()
+    except (ConfigError, ModelError) as exc:
+        return ComponentReport(cfg.name, cfg.backend, str(cfg.options.get("base_url", "?")), False,
+                               str(exc).splitlines()[0], str(exc))
+    return ComponentReport(cfg.name, cfg.backend, opts.base_url, True, f"reachable; serves {models}")
+
+
 def check_profile(profile: Profile, prepare: bool = False, verify: bool = False) -> list[ComponentReport]:
     reports = []
     for name, cfg in profile.components.items():
         if cfg.backend == "transformers-gguf":
             reports.append(_check_llm(cfg, prepare, verify))
+        elif cfg.backend == "openai-chat":
+            reports.append(_check_remote(cfg))
         elif cfg.backend == "moonshine":
             reports.append(_check_package(cfg, "*.ort"))
         elif cfg.backend == "hibari":

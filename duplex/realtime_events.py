@@ -238,12 +238,14 @@ class RealtimeConfig:
                 "barge_in_min_speech_ms": MAX_VAD_MS,
                 "vad_threshold": defaults.vad_threshold,
             }
+        barge_in = defaults.barge_in_min_speech_ms if td.interrupt_response else MAX_VAD_MS
         return {
             "end_of_turn_silence_ms": td.silence_duration_ms,
             "vad_threshold": td.threshold,
-            "barge_in_min_speech_ms": defaults.barge_in_min_speech_ms
-            if td.interrupt_response
-            else MAX_VAD_MS,
+            "barge_in_min_speech_ms": barge_in,
+            # Realtime clients expect speech_started to cancel the response (reason turn_detected):
+            # no holding the answer while the overlap head tells a backchannel from an interruption
+            "max_backchannel_ms": barge_in,
         }
 
     def to_wire(self, session_id: str) -> dict[str, Any]:

@@ -473,6 +473,9 @@ class SessionCore:
         seg.pending.append(audio)
         seg.total_samples = audio.size
         seg.overlap = self.turn_taking and self._speaking()
+        if seg.overlap:
+            log.info("session %s turn %d: user speech over the answer; holding its audio until the overlap head "
+                     "decides", self.session_id, seg.turn_id)
         self.segment = seg
         self._emit(SpeechStarted, audio_ms=int(1000 * start_sample / SR))
 

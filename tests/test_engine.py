@@ -216,3 +216,21 @@ def test_relay_hands_the_committed_prefix_to_a_remote_slow_model(tokenizer):
         assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
     finally:
         fake.close()
+
+
+def test_a_second_relayed_answer_continues_its_own_prefix_not_the_previous_answer(tokenizer):
+    slow, drafter = tiny("qwen2", len(tokenizer), 7), tiny("llama", len(tokenizer), 8)
+    stage = DialogueStage(slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12), drafter, tokenizer,
+                          DrafterOptions(draft_words=3), _Heads(), None, _Verifier(0.9), 0.5)
+    state = stage.init_state()
+    first = [{"role": "user", "content": "tell me a story"}]
+    out, state = stage.step(state, RespondStep(first, 4))
+    out, state = stage.step(state, RespondStep(None, 4))  # the first answer is being decoded...
+    second = first + [{"role": "user", "content": "what is the capital of france"}]  # ...and cut by a new turn
+    out, state = stage.step(state, RespondStep(second, 4))
+    assert out.relay is not None and out.relay.committed
+    prefix = out.text
+    out, state = stage.step(state, RespondStep(None, 4))
+    want = stage.slow.renderer.system_ids + [i for p in pieces_for(stage.slow.renderer, second, answer_prefix=prefix)
+                                             for i in p.ids]
+    assert state.slow.cache.ids[: len(want)] == want

@@ -37,5 +37,20 @@ def test_missing_or_corrupt_file_says_reinstall(tmp_path: Path, monkeypatch):
 
 def test_real_profile_reports_every_component():
     reports = models_cmd.check_profile(load_profile("cpu"))
-    assert [r.name for r in reports] == ["vad", "asr", "llm", "tts"]
+    assert [r.name for r in reports] == ["vad", "asr", "llm", "tts", "drafter"]
     assert all(r.source for r in reports)
+
+
+def test_remote_slow_model_is_checked_for_reachability():
+    from tests.test_remote_llm import MODEL, FakeOpenAI
+
+    fake = FakeOpenAI()
+    try:
+        cfg = ComponentConfig("llm", "openai-chat", options={"base_url": fake.base_url, "model": MODEL})
+        report = models_cmd._check_remote(cfg)
+        assert report.ok and MODEL in report.detail
+    finally:
+        fake.close()
+    cfg = ComponentConfig("llm", "openai-chat", options={"base_url": "http://127.0.0.1:9/v1", "model": "m"})
+    report = models_cmd._check_remote(cfg)
+    assert not report.ok and "is the server running" in report.detail

@@ -65,13 +65,16 @@ async def test_twilio_call_question_answer_and_barge_in(live, say, asr_model):
         await call.wait_for(lambda: call.loud_seconds(said.end, loop.time()) >= 1.5, limit_s=60)
         barge = call.say_nowait(say("Stop, what is two plus two?"))
         t_clear = await call.wait_for_clear(limit_s=5)
-        assert t_clear - barge.start < 0.6  # Silero needs ~100 ms of speech, then `clear` at once
+        # the story's audio is held as soon as Silero hears ~100 ms of speech (the caller's buffer of
+        # ~120 ms plays out), and `clear` follows once the words are judged an interruption
+        assert call.loud_seconds(barge.start + 0.6, t_clear) < 0.05
+        assert t_clear - barge.start < 2.0
         # nothing of the story plays after the clear; the new question is answered
         await barge.sent.wait()
         second = await call.wait_for_answer(after=barge.end, limit_s=60)
         assert len(second) > 0.3 * 8000  # the new question got a spoken answer
         # the context: the story kept only what the caller heard, then the new question
-        (core,) = live.service.sessions.values()
+        core = list(live.service.sessions.values())[-1]  # the call (a previous test's session may still be closing)
         users = [m["content"].lower() for m in core.history if m["role"] == "user"]
         assert "two" in users[-1] or "2" in users[-1], core.history
         story = core.history[3]["content"] if len(core.history) > 3 else ""
@@ -87,7 +90,7 @@ async def test_audiosocket_call_question_answer_and_hangup(live, say, asr_model)
         answer = await call.wait_for_answer(after=said.end, limit_s=60)
         onset = call.first_played_after(said.end) - said.end
         assert 0.3 < onset < 5.0
-        (core,) = live.service.sessions.values()
+        core = list(live.service.sessions.values())[-1]  # the call (a previous test's session may still be closing)
         heard = heard_text(asr_model, answer)
         assert "paris" in heard, (heard, float(np.abs(answer).max()), len(answer) / 8000, core.history)
         said = await call.say(say("Tell me a long story about a dragon."))
