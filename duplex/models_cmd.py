@@ -77,7 +77,12 @@ def _check_llm(cfg: ComponentConfig, prepare: bool, verify: bool) -> ComponentRe
         st = llm_weights.status(cfg, verify=verify)
     except llm_weights.ModelError as exc:
         return ComponentReport(cfg.name, cfg.backend, "?", False, str(exc).splitlines()[0], str(exc))
-    source = {"packages": f"packages {w.packages[0]}..{w.packages[-1]}", "gguf": str(w.gguf), "path": str(w.path)}[w.kind]
+    if w.kind == "packages":
+        source = f"packages {w.packages[0]}..{w.packages[-1]}"
+    elif w.kind == "gguf":
+        source = f"package {w.package}: {w.gguf.name}" if w.package and w.gguf else str(w.gguf)
+    else:
+        source = str(w.path)
     if st.problems:
         return ComponentReport(cfg.name, cfg.backend, source, False, "; ".join(st.problems),
                                "run `duplex models --prepare` (or follow the message above)")
@@ -125,7 +130,7 @@ def print_reports(profile: Profile, reports: list[ComponentReport]) -> bool:
     print(f"profile {profile.name}: {profile.description}")
     for r in reports:
         mark = "ok " if r.ok else "!! "
-        print(f"  {mark}{r.name:<4} {r.backend:<18} {r.source}")
+        print(f"  {mark}{r.name:<7} {r.backend:<18} {r.source}")
         print(f"       {r.detail}")
         if not r.ok and r.fix:
             for line in r.fix.splitlines():
