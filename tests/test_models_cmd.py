@@ -37,7 +37,7 @@ def test_missing_or_corrupt_file_says_reinstall(tmp_path: Path, monkeypatch):
 
 def test_real_profile_reports_every_component():
     reports = models_cmd.check_profile(load_profile("cpu"))
-    assert [r.name for r in reports] == ["vad", "asr", "llm", "tts", "drafter"]
+    assert [r.name for r in reports] == ["vad", "asr", "llm", "drafter", "tts"]
     assert all(r.source for r in reports)
 
 
