@@ -31,7 +31,7 @@ import torch
 from dialogue import llm_weights
 from dialogue.conversation import ChatRenderer, Conversations, Track, pieces_for
 from dialogue.kv_cache import CachedLM
-from dialogue.llm import _torch_threads, text_delta
+from dialogue.llm import LlmOptions, _torch_threads, text_delta
 from duplex.config import ComponentConfig, ConfigError
 from duplex.stage import SequentialBatchMixin
 
@@ -44,16 +44,9 @@ LISTEN, BACKCHANNEL, SPEAK = 0, 1, 2
 
 
 @dataclass(frozen=True)
-class SlowOptions:
-    """Options of the slow model (the `llm` component) when it runs in-process."""
+class SlowOptions(LlmOptions):
+    """Options of the slow model (the `llm` component): the LLM stage's, plus the cache's eviction step."""
 
-    dtype: str = "int8-dynamic"
-    max_new_tokens: int = 64
-    first_step_tokens: int = 4
-    step_tokens: int = 4
-    system_prompt: str = ""
-    threads: int | None = None
-    window_tokens: int = 1536
     evict_chunk: int = 64
 
     @classmethod
