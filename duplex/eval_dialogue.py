@@ -17,6 +17,7 @@ training never saw (`dialogue/data/turn_eval.jsonl`, `dialogue/data/relay_eval.j
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -241,15 +242,23 @@ def _slow_accepts(stage: Any, history: list[dict[str, str]], text: str, r: dict[
     the draft's prefix in context (thresholds stored with the verifier), plus its forced negatives."""
     from dialogue.train_verifier import forced_negative, score_prefix
     from dialogue.turn_taking import normalize_user_text
-    from dialogue.verifier import chat_ids, load_verifier, prefix_text
+    from dialogue.verifier import chat_ids, prefix_text
 
-    _, _, meta = load_verifier()
+    meta = _verifier_meta()
     prefix = r["prefix"] or prefix_text(r["draft"], ended=True)
     if forced_negative({"prefix": prefix, "text": normalize_user_text(text)}):
         return False
     ctx = chat_ids(stage.slow_tokenizer, stage.system_prompt, history, normalize_user_text(text))
     sc = score_prefix(stage.slow.lm.model, stage.slow_tokenizer, ctx, prefix)
     return sc.mean >= float(meta["tau"]["mean"]) and sc.min >= float(meta["tau"]["min"])
+
+
+@functools.cache
+def _verifier_meta() -> dict[str, Any]:
+    """The shipped verifier's metadata (its label thresholds), read once."""
+    from dialogue.verifier import load_verifier
+
+    return load_verifier()[2]
 
 
 def summarise_relay(rows: list[dict[str, Any]]) -> dict[str, Any]:
