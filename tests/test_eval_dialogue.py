@@ -1,0 +1,54 @@
+"""`duplex eval dialogue`: its decision rule, takeover metrics and summaries (the model runs are in
+the command itself; its real numbers are in the README)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from duplex.eval_dialogue import auroc, decide, first_phrase_ready, report, summarise_relay, turn_metrics
+
+
+def test_decision_rule_matches_the_session_core():
+    assert decide((0.1, 0.1, 0.8), speak_thr=0.5, bc_thr=0.5) == 2
+    assert decide((0.2, 0.7, 0.1), speak_thr=0.5, bc_thr=0.5) == 1
+    assert decide((0.6, 0.55, 0.1), speak_thr=0.5, bc_thr=0.5) == 0  # backchannel needs P(bc) >= P(listen)
+    assert decide((0.9, 0.05, 0.05), speak_thr=0.5, bc_thr=0.5) == 0
+
+
+def test_takeover_counts_speak_and_backchannel_decisions():
+    # labels: 0 listen, 2 speak; decisions: speak or backchannel both take the turn within ~1 s
+    pairs = [(0, 0)] * 8 + [(0, 2), (0, 1)] + [(2, 2)] * 9 + [(2, 0)]
+    m = turn_metrics(pairs)
+    assert m["n_listen"] == 10 and m["pause_takeover"] == pytest.approx(0.2)
+    assert m["n_speak"] == 10 and m["complete_takeover"] == pytest.approx(0.9)
+    assert m["fast_takeover"] == pytest.approx(0.9)
+    assert m["confusion"]["listen"] == {"listen": 8, "backchannel": 1, "speak": 1}
+    assert math.isnan(turn_metrics([])["pause_takeover"])
+
+
+def test_auroc_and_first_phrase():
+    assert auroc([0.9, 0.8, 0.1], [1, 1, 0]) == 1.0
+    assert auroc([0.1, 0.9], [1, 0]) == 0.0
+    assert auroc([0.5, 0.5], [1, 0]) == 0.5
+    assert math.isnan(auroc([0.3], [1]))
+    assert not first_phrase_ready("The capital", done=False)
+    assert first_phrase_ready("The capital of ", done=False)
+    assert first_phrase_ready("Sure,", done=False) and first_phrase_ready("Hi", done=True)
+
+
+def test_relay_summary_ratios_and_report():
+    rows = []
+    for i in range(10):
+        rows.append({
+            "relay": {"onset_s": 0.1 + 0.01 * i, "quality": 6.0, "committed": i % 2 == 0, "p": i / 10},
+            "slow": {"onset_s": 0.3 + 0.01 * i, "quality": 6.0},
+            "label": int(i >= 5),
+        })
+    r = summarise_relay(rows)
+    assert r["n"] == 10 and r["committed_fraction"] == 0.5
+    assert r["quality_ratio"] == pytest.approx(1.0) and r["verifier_auroc"] == 1.0
+    assert r["p90_ratio"] == pytest.approx(r["onset_ms"]["relay"]["p90"] / r["onset_ms"]["slow_only"]["p90"])
+    text = report({"relay": r, "turn_text": turn_metrics([(0, 0), (2, 2)]) | {"n_overlap": 0}})
+    assert "P90 ratio" in text and "pause takeover" in text
