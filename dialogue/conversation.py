@@ -164,10 +164,6 @@ class Track:
             del self.pieces[:drop]
 
 
-def c_checkpoints(track: Track) -> list[tuple[int, Any, Any]]:
-    return track.checkpoints
-
-
 class Conversations:
     """Syncs Tracks of one model (stateless: the Tracks live in the session state)."""
 
@@ -211,7 +207,7 @@ class Conversations:
         if keep_abs < base + c.evicted or keep_cache < 1:
             return self._rebuild(track, target)
         if not new_ids:
-            cp = next((cp for cp in c_checkpoints(track) if cp[0] == keep_cache), None)
+            cp = next((cp for cp in track.checkpoints if cp[0] == keep_cache), None)
             if cp is not None and keep_cache <= len(c.ids):
                 self.lm.rollback(c, keep_cache)
                 c.logits, c.hidden = cp[1], cp[2]

@@ -31,7 +31,7 @@ import torch
 from dialogue import llm_weights
 from dialogue.conversation import ChatRenderer, Conversations, Track, pieces_for
 from dialogue.kv_cache import CachedLM
-from dialogue.llm import LlmOptions, _torch_threads, text_delta
+from dialogue.llm import LlmOptions, _torch_threads, stop_token_ids, text_delta
 from duplex.config import ComponentConfig, ConfigError
 from duplex.stage import SequentialBatchMixin
 
@@ -211,7 +211,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             lm = CachedLM(slow_model, sink_tokens=len(r.system_ids), window_tokens=slow_options.window_tokens,
                           evict_chunk=slow_options.evict_chunk)
             self.slow = Conversations(lm, r)
-            self.slow_stop = _stop_ids(slow_tokenizer)
+            self.slow_stop = stop_token_ids(slow_tokenizer)
         self.drafter: Conversations | None = None
         self.drafter_tokenizer = drafter_tokenizer
         if drafter_model is not None:
@@ -220,7 +220,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             lm = CachedLM(drafter_model, sink_tokens=len(r.system_ids), window_tokens=o.window_tokens,
                           evict_chunk=o.evict_chunk)
             self.drafter = Conversations(lm, r)
-            self.drafter_stop = _stop_ids(drafter_tokenizer)
+            self.drafter_stop = stop_token_ids(drafter_tokenizer)
         self.heads = heads
         self.policy = policy
         self.verifier = verifier
@@ -441,15 +441,6 @@ def _normalized(messages: list[dict[str, str]]) -> list[dict[str, str]]:
 
     return [{"role": m["role"], "content": normalize_user_text(m["content"])} if m.get("role") == "user" else m
             for m in messages]
-
-
-def _stop_ids(tok: Any) -> frozenset[int]:
-    ids = {tok.eos_token_id}
-    for special in ("<|im_end|>", "<|endoftext|>"):
-        i = tok.convert_tokens_to_ids(special)
-        if isinstance(i, int) and i != tok.unk_token_id:
-            ids.add(i)
-    return frozenset(i for i in ids if isinstance(i, int))
 
 
 # -- loading ---------------------------------------------------------------------------------

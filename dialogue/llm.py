@@ -111,6 +111,16 @@ def text_delta(
     return text[emitted_chars:end], end
 
 
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """EOS and the chat end markers (<|im_end|>, <|endoftext|>) of a tokenizer."""
+    ids = {tokenizer.eos_token_id}
+    for special in ("<|im_end|>", "<|endoftext|>"):
+        i = tokenizer.convert_tokens_to_ids(special)
+        if isinstance(i, int) and i != tokenizer.unk_token_id:
+            ids.add(i)
+    return frozenset(i for i in ids if isinstance(i, int))
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
@@ -148,18 +158,9 @@ class LlmStage(SequentialBatchMixin[LlmState, LlmStep, LlmOutput]):
         self.model = model
         self.tokenizer = tokenizer
         self.options = options if isinstance(options, LlmOptions) else LlmOptions.from_mapping(options or {})
-        self.stop_ids = self._stop_ids(tokenizer)
+        self.stop_ids = stop_token_ids(tokenizer)
         # read-only template state: the system prompt prefilled once (see warm_state)
         self._warm: LlmState | None = None
-
-    @staticmethod
-    def _stop_ids(tok: PreTrainedTokenizerBase) -> frozenset[int]:
-        ids = {tok.eos_token_id}
-        for special in ("<|im_end|>", "<|endoftext|>"):
-            i = tok.convert_tokens_to_ids(special)
-            if isinstance(i, int) and i != tok.unk_token_id:
-                ids.add(i)
-        return frozenset(i for i in ids if isinstance(i, int))
 
     # -- prompt -------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dialogue.llm import stop_token_ids
 from duplex.errors import ModelError
 
 __all__ = [
@@ -161,16 +162,6 @@ def prefix_text(text: str, ended: bool = False, max_words: int = MAX_DRAFT_WORDS
 
 
 # -- drafting -----------------------------------------------------------------------------------------
-
-
-def stop_token_ids(tokenizer: Any) -> frozenset[int]:
-    """EOS and the chat end markers (<|im_end|>, <|endoftext|>) of a tokenizer."""
-    ids = {tokenizer.eos_token_id}
-    for special in ("<|im_end|>", "<|endoftext|>"):
-        i = tokenizer.convert_tokens_to_ids(special)
-        if isinstance(i, int) and i != tokenizer.unk_token_id:
-            ids.add(i)
-    return frozenset(i for i in ids if isinstance(i, int))
 
 
 def chat_ids(
