@@ -1,0 +1,82 @@
+"""espeak-ng speech through ctypes (the library and data ship in the `espeakng-loader` wheel).
+
+Used to synthesise training and held-out speech for the streaming ASR: espeak-ng has a hundred voice
+variants (`en-US+m3`, `en-GB-scotland+klatt2`, ...) and runs ~100x faster than real time. The library
+keeps global state, so one process owns one `EspeakVoice` and calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+
+from duplex.errors import ModelError
+
+PIP_HINT = "pip install espeakng-loader==0.2.4"
+_AUDIO_OUTPUT_SYNCHRONOUS = 2
+_POS_CHARACTER = 1
+_CHARS_UTF8 = 1
+_RATE, _VOLUME, _PITCH, _RANGE, _WORDGAP = 1, 2, 3, 4, 7
+_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p)
+
+_lock = threading.Lock()
+_instance: EspeakVoice | None = None
+
+
+class EspeakVoice:
+    """`synthesize(text, voice, rate=..., pitch=...)` -> float32 mono audio at `sample_rate` (22050)."""
+
+    def __init__(self) -> None:
+        try:
+            import espeakng_loader
+        except ImportError:
+            raise ModelError(f"synthesising espeak-ng speech needs espeakng-loader: {PIP_HINT}") from None
+        lib = ctypes.cdll.LoadLibrary(str(espeakng_loader.get_library_path()))
+        data = str(espeakng_loader.get_data_path()).encode()
+        lib.espeak_Initialize.restype = ctypes.c_int
+        lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
+        lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.espeak_Synth.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int,
+                                     ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
+        rate = lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, data, 0)
+        if rate <= 0:
+            raise ModelError(f"espeak-ng failed to initialise (data at {data.decode()})")
+        self.sample_rate = rate
+        self._lib = lib
+        self._chunks: list[np.ndarray] = []
+
+        def on_audio(wav, n, _events):  # noqa: ANN001 - ctypes callback
+            if n > 0:
+                self._chunks.append(np.ctypeslib.as_array(wav, shape=(n,)).astype(np.float32) / 32768.0)
+            return 0
+
+        self._callback = _CALLBACK(on_audio)  # kept referenced: espeak calls it until the process ends
+        lib.espeak_SetSynthCallback(self._callback)
+
+    def synthesize(self, text: str, voice: str = "en-US", rate: int = 175, pitch: int = 50,
+                   pitch_range: int = 50, word_gap: int = 0) -> np.ndarray:
+        """Speak `text` with `voice` (`lang[+variant]`); rate in words per minute, pitch/range 0..100."""
+        if self._lib.espeak_SetVoiceByName(voice.encode()) != 0:
+            raise ValueError(f"espeak-ng has no voice {voice!r}")
+        for param, value in ((_RATE, rate), (_PITCH, pitch), (_RANGE, pitch_range), (_WORDGAP, word_gap)):
+            self._lib.espeak_SetParameter(param, int(value), 0)
+        self._chunks = []
+        raw = text.encode("utf-8") + b"\0"
+        err = self._lib.espeak_Synth(raw, len(raw), 0, _POS_CHARACTER, 0, _CHARS_UTF8, None, None)
+        if err != 0:
+            raise ModelError(f"espeak-ng failed to synthesise {text[:40]!r} (error {err})")
+        out = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
+        self._chunks = []
+        return out
+
+
+def espeak_voice() -> EspeakVoice:
+    """The process's espeak-ng (it has global state: one per process)."""
+    global _instance
+    with _lock:
+        if _instance is None:
+            _instance = EspeakVoice()
+        return _instance

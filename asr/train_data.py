@@ -1,0 +1,287 @@
+"""Training and held-out speech for the streaming ASR, synthesised from English text on the fly.
+
+Text: WordNet's example sentences (Debian `wordnet-base`), `fortunes` quotes, chatterbot-corpus and the
+project's dialogue lines; sentences are split into train / held-out by a hash of their text. Voices:
+hibari (af_heart) and espeak-ng accents x variants; the held-out *voices* (`HELDOUT_VARIANTS`,
+`HELDOUT_ACCENTS`) are never used for training. Every example is a pure function of (seed, index):
+the same index always gives the same audio, so training resumes exactly and runs are reproducible.
+Augmentation: speaking rate, pitch, speed perturbation, gain, reverberation, noise, telephone band.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from codec.resample import resample
+
+SAMPLE_RATE = 16000
+WORDNET_DIR = "/usr/share/wordnet"
+FORTUNE_DIR = "/usr/share/games/fortunes"
+DIALOGUE_DATA = Path(__file__).resolve().parent.parent / "dialogue" / "data"
+
+ACCENTS = ("en-US", "en", "en-GB-scotland", "en-GB-x-rp", "en-029", "en-GB-x-gbclan", "en-US-nyc",
+           "en-GB-x-gbcwmd")
+HELDOUT_ACCENTS = ("en-GB-x-gbcwmd",)
+# espeak-ng variants (espeak-ng-data/voices/!v); "" is the accent's own voice
+VARIANTS = ("", "m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8", "f1", "f2", "f3", "f4", "f5", "klatt",
+            "klatt2", "klatt3", "klatt4", "klatt5", "klatt6", "Alex", "Andy", "Annie", "adam", "anika",
+            "aunty", "belinda", "benjamin", "caleb", "david", "ed", "edward", "grandma", "grandpa", "iven",
+            "iven2", "john", "linda", "max", "michel", "norbert", "paul", "quincy", "rob", "robert",
+            "steph", "steph2", "travis", "victor", "zac", "croak", "Gene", "Lee", "Michael", "Storm",
+            "shelby", "Mike", "Jacky", "Hugo", "Reed", "Tweaky", "kaukovalta", "ian", "Alicia", "Andrea")
+HELDOUT_VARIANTS = ("m6", "f4", "klatt3", "Andy", "linda", "steph2", "grandpa", "Storm", "anika", "Hugo")
+TRAIN_VARIANTS = tuple(v for v in VARIANTS if v not in HELDOUT_VARIANTS)
+TRAIN_ACCENTS = tuple(a for a in ACCENTS if a not in HELDOUT_ACCENTS)
+HIBARI_SHARE = 0.2  # fraction of training examples spoken by hibari (the service's own voice)
+
+_WORD_OK = re.compile(r"^[a-z']+$")
+
+
+def normalize_text(text: str) -> str:
+    """Lower case, letters and apostrophes only, single spaces: the form the ASR writes and WER compares."""
+    text = text.lower().replace("’", "'").replace("-", " ")
+    text = re.sub(r"[^a-z' ]+", " ", text)
+    words = [w.strip("'") for w in text.split()]
+    return " ".join(w for w in words if w)
+
+
+def _clean_sentence(raw: str) -> str | None:
+    """A sentence fit to be spoken and scored: no digits or symbols espeak would spell, 3-24 words."""
+    raw = " ".join(raw.split())
+    if not raw or re.search(r"[0-9@#$%&*_/\\<>=+|~^{}\[\]]", raw):
+        return None
+    words = normalize_text(raw).split()
+    if not 3 <= len(words) <= 24 or not all(_WORD_OK.match(w) for w in words):
+        return None
+    return raw
+
+
+def _wordnet_sentences() -> Iterator[str]:
+    for path in sorted(glob.glob(os.path.join(WORDNET_DIR, "data.*"))):
+        with open(path, encoding="latin-1") as f:
+            for line in f:
+                if line.startswith("  "):
+                    continue  # licence header
+                yield from re.findall(r'"([^"]+)"', line)
+
+
+def _fortune_sentences() -> Iterator[str]:
+    for path in sorted(glob.glob(os.path.join(FORTUNE_DIR, "*"))):
+        if path.endswith((".dat", ".u8")) or os.path.islink(path) or not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8", errors="ignore") as f:
+            for entry in f.read().split("\n%\n"):
+                if "--" in entry:
+                    entry = entry.split("--")[0]  # drop the attribution
+                yield from re.split(r"(?<=[.!?])\s+", " ".join(entry.split()))
+
+
+def _chatterbot_sentences() -> Iterator[str]:
+    try:
+        import chatterbot_corpus
+        import yaml
+    except ImportError:
+        return
+    root = os.path.join(os.path.dirname(chatterbot_corpus.__file__), "data", "english")
+    for path in sorted(glob.glob(os.path.join(root, "*.yml"))):
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f) or {}
+        for conv in doc.get("conversations", []):
+            for line in conv:
+                if isinstance(line, str):
+                    yield from re.split(r"(?<=[.!?])\s+", line)
+
+
+def _dialogue_sentences() -> Iterator[str]:
+    for name in ("turn_generated.jsonl", "turn_eval.jsonl", "relay_eval.jsonl"):
+        path = DIALOGUE_DATA / name
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            for key in ("text", "prompt", "user", "line"):
+                if isinstance(rec.get(key), str):
+                    yield from re.split(r"(?<=[.!?])\s+", rec[key])
+
+
+def is_heldout_text(sentence: str) -> bool:
+    """1 sentence in 20, by a hash of its normalised words, is held out of training."""
+    digest = hashlib.sha1(normalize_text(sentence).encode()).digest()
+    return digest[0] % 20 == 0
+
+
+@functools.cache
+def corpus() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(train sentences, held-out sentences), deduplicated by normalised text, in a fixed order."""
+    seen: set[str] = set()
+    train: list[str] = []
+    heldout: list[str] = []
+    sources = (_wordnet_sentences(), _fortune_sentences(), _chatterbot_sentences(), _dialogue_sentences())
+    for source in sources:
+        for raw in source:
+            sentence = _clean_sentence(raw)
+            if sentence is None:
+                continue
+            key = normalize_text(sentence)
+            if key in seen:
+                continue
+            seen.add(key)
+            (heldout if is_heldout_text(sentence) else train).append(sentence)
+    if not train:
+        raise RuntimeError(
+            "no training text found: install Debian's wordnet-base and fortunes "
+            "(apt-get install wordnet-base fortunes) or chatterbot-corpus")
+    return tuple(train), tuple(heldout)
+
+
+HELDOUT_FILE = Path(__file__).resolve().parent / "data" / "heldout_sentences.txt"
+
+
+def heldout_sentences() -> tuple[str, ...]:
+    """The held-out sentences as shipped (asr/data/heldout_sentences.txt, written from `corpus()` when the
+    model was trained), so evaluation needs neither the text packages nor a rebuild of the corpus."""
+    if HELDOUT_FILE.is_file():
+        return tuple(line for line in HELDOUT_FILE.read_text().splitlines() if line.strip())
+    return corpus()[1]
+
+
+@dataclass(frozen=True)
+class VoiceSpec:
+    """Who speaks an example and how: `engine` 'espeak' (voice 'accent+variant') or 'hibari'."""
+
+    engine: str
+    voice: str = ""
+    rate: int = 175
+    pitch: int = 50
+    pitch_range: int = 50
+    word_gap: int = 0
+    speed: float = 1.0
+
+    def name(self) -> str:
+        return "hibari" if self.engine == "hibari" else self.voice
+
+
+def espeak_name(accent: str, variant: str) -> str:
+    return f"{accent}+{variant}" if variant else accent
+
+
+def random_voice(rng: np.random.Generator, heldout: bool = False) -> VoiceSpec:
+    """A random speaker: held-out voices only when `heldout`, otherwise training voices and hibari."""
+    if not heldout and rng.random() < HIBARI_SHARE:
+        return VoiceSpec("hibari", speed=float(rng.uniform(0.85, 1.2)))
+    if heldout:
+        # a held-out voice: a held-out variant with any accent, or the held-out accent with any variant
+        if rng.random() < 0.75:
+            accent, variant = ACCENTS[rng.integers(len(ACCENTS))], HELDOUT_VARIANTS[rng.integers(len(HELDOUT_VARIANTS))]
+        else:
+            accent, variant = HELDOUT_ACCENTS[rng.integers(len(HELDOUT_ACCENTS))], VARIANTS[rng.integers(len(VARIANTS))]
+    else:
+        accent, variant = TRAIN_ACCENTS[rng.integers(len(TRAIN_ACCENTS))], TRAIN_VARIANTS[rng.integers(len(TRAIN_VARIANTS))]
+    return VoiceSpec("espeak", espeak_name(accent, variant), rate=int(rng.integers(135, 221)),
+                     pitch=int(rng.integers(25, 76)), pitch_range=int(rng.integers(20, 91)),
+                     word_gap=int(rng.integers(0, 3)) if rng.random() < 0.3 else 0)
+
+
+class Speaker:
+    """Synthesises a VoiceSpec at 16 kHz (espeak-ng and hibari are loaded on first use)."""
+
+    def __init__(self) -> None:
+        self._espeak = None
+        self._hibari = None
+
+    def speak(self, text: str, spec: VoiceSpec) -> np.ndarray:
+        if spec.engine == "hibari":
+            from tts.hibari_tts import SAMPLE_RATE as HIBARI_RATE
+            from tts.hibari_tts import HibariSynth
+
+            if self._hibari is None:
+                self._hibari = HibariSynth(threads=1)
+            self._hibari.speed = float(spec.speed)  # read per call by synthesize()
+            audio, rate = self._hibari.synthesize(text), HIBARI_RATE
+        else:
+            from asr.espeak_voice import espeak_voice
+
+            if self._espeak is None:
+                self._espeak = espeak_voice()
+            audio = self._espeak.synthesize(text, spec.voice, rate=spec.rate, pitch=spec.pitch,
+                                            pitch_range=spec.pitch_range, word_gap=spec.word_gap)
+            rate = self._espeak.sample_rate
+        return resample(audio, rate, SAMPLE_RATE).astype(np.float32)
+
+
+def _trim(audio: np.ndarray, threshold: float = 1e-3) -> np.ndarray:
+    idx = np.flatnonzero(np.abs(audio) > threshold)
+    return audio[idx[0]: idx[-1] + 1] if idx.size else audio
+
+
+def _colored_noise(rng: np.random.Generator, n: int) -> np.ndarray:
+    white = rng.standard_normal(n)
+    kind = rng.integers(3)
+    if kind == 0:
+        return white
+    spec = np.fft.rfft(white)
+    f = np.arange(spec.size) + 1.0
+    spec /= np.sqrt(f) if kind == 1 else f  # pink or brown
+    out = np.fft.irfft(spec, n)
+    return out / (out.std() + 1e-9)
+
+
+def augment(audio: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Speed perturbation, reverberation, leading/trailing silence, noise, telephone band and gain."""
+    x = _trim(audio).astype(np.float64)
+    if rng.random() < 0.5:  # speed perturbation (changes pitch too), as Kaldi's 0.9/1.0/1.1
+        factor = float(rng.uniform(0.9, 1.1))
+        import soxr
+
+        x = soxr.resample(x, SAMPLE_RATE * factor, SAMPLE_RATE)
+    if rng.random() < 0.3:  # synthetic room: exponentially decaying noise, RT60 0.1-0.6 s
+        rt60 = rng.uniform(0.1, 0.6)
+        n = int(rt60 * SAMPLE_RATE)
+        t = np.arange(n) / SAMPLE_RATE
+        rir = rng.standard_normal(n) * np.exp(-6.9 * t / rt60)
+        rir[0] = 1.0 / rng.uniform(0.3, 1.0)  # direct path
+        rir /= np.sqrt(np.sum(rir**2))
+        x = np.fft.irfft(np.fft.rfft(x, x.size + n) * np.fft.rfft(rir, x.size + n), x.size + n)[: x.size + n // 2]
+    lead, tail = (int(rng.uniform(0.05, 0.6) * SAMPLE_RATE) for _ in range(2))
+    x = np.concatenate([np.zeros(lead), x, np.zeros(tail)])
+    if rng.random() < 0.6:
+        snr_db = rng.uniform(5, 40)
+        speech_power = np.mean(x[lead: x.size - tail] ** 2) + 1e-12
+        x = x + _colored_noise(rng, x.size) * np.sqrt(speech_power / 10 ** (snr_db / 10))
+    if rng.random() < 0.1:  # telephone band
+        x = resample(resample(x.astype(np.float32), SAMPLE_RATE, 8000), 8000, SAMPLE_RATE).astype(np.float64)
+    peak = np.max(np.abs(x)) + 1e-9
+    x *= 10 ** (rng.uniform(-30, -1) / 20) / peak
+    return x.astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Example:
+    text: str  # normalised transcript
+    audio: np.ndarray  # float32, 16 kHz
+    voice: str
+
+
+def make_example(speaker: Speaker, sentences: tuple[str, ...], seed: int, index: int,
+                 heldout: bool = False, clean: bool = False) -> Example:
+    """Example `index` of the stream `seed`: a pure function of its arguments."""
+    rng = np.random.default_rng([seed, index, int(heldout)])
+    sentence = sentences[int(rng.integers(len(sentences)))] if not heldout else sentences[index % len(sentences)]
+    spec = random_voice(rng, heldout=heldout)
+    audio = speaker.speak(sentence, spec)
+    if clean:
+        audio = np.concatenate([np.zeros(3200, np.float32), _trim(audio), np.zeros(4800, np.float32)])
+        audio *= 0.5 / (np.max(np.abs(audio)) + 1e-9)
+    else:
+        audio = augment(audio, rng)
+    return Example(normalize_text(sentence), audio, spec.name())

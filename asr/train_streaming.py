@@ -1,0 +1,226 @@
+"""Train the shipped cache-aware streaming FastConformer (CTC) from scratch on synthesised speech.
+
+    python -m asr.train_streaming --run runs/asr --minutes 90        # train (resumes from runs/asr/last.pt)
+    python -m asr.train_streaming --run runs/asr --export            # write asr/weights/fc_small.nemo + .json
+
+Resumable: the run directory keeps the tokenizer, the last checkpoint (model, optimiser, step) and a log;
+example k of the training stream is a pure function of (seed, k) (asr/train_data.py), so a resumed run
+sees exactly the examples it would have seen. Each batch trains one of the model's lookaheads, picked at
+random by the encoder (multi-lookahead training). Runs on CPU (2 threads here) or CUDA when present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from asr.train_data import Speaker, corpus, make_example, normalize_text
+from asr.wer import word_errors
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+SHIPPED = WEIGHTS_DIR / "fc_small.nemo"
+
+
+POOL = 4  # batches drawn together and sorted by length, so a batch pads little
+
+
+class BatchStream(torch.utils.data.Dataset):
+    """Item p is the pool of training batches p*POOL .. p*POOL+POOL-1 of the seeded example stream,
+    its examples sorted by duration (less padding), as a list of (audio, lengths, texts)."""
+
+    def __init__(self, seed: int, batch_size: int, first_pool: int) -> None:
+        self.seed, self.batch_size, self.first = seed, batch_size, first_pool
+        self.speaker: Speaker | None = None
+
+    def __len__(self) -> int:
+        return 10**9
+
+    def __getitem__(self, p: int) -> list[tuple[torch.Tensor, torch.Tensor, list[str]]]:
+        if self.speaker is None:
+            torch.set_num_threads(1)
+            self.speaker = Speaker()
+        train, _ = corpus()
+        n = self.batch_size * POOL
+        index = (self.first + p) * n
+        examples = sorted((make_example(self.speaker, train, self.seed, index + i) for i in range(n)),
+                          key=lambda e: e.audio.size)
+        batches = []
+        for b in range(POOL):
+            part = examples[b * self.batch_size: (b + 1) * self.batch_size]
+            lengths = [e.audio.size for e in part]
+            audio = torch.zeros(len(part), max(lengths))
+            for i, e in enumerate(part):
+                audio[i, : e.audio.size] = torch.from_numpy(e.audio)
+            batches.append((audio, torch.tensor(lengths), [e.text for e in part]))
+        order = np.random.default_rng([self.seed, self.first + p]).permutation(POOL)
+        return [batches[i] for i in order]
+
+
+def validation_set(n: int, seed: int = 7) -> list:
+    """`n` held-out sentences spoken by held-out voices, clean (no augmentation)."""
+    from asr.train_data import heldout_sentences
+
+    heldout = heldout_sentences()
+    speaker = Speaker()
+    return [make_example(speaker, heldout, seed, i, heldout=True, clean=True) for i in range(n)]
+
+
+def ctc_greedy(model, log_probs: torch.Tensor, lengths: torch.Tensor) -> list[str]:
+    blank = log_probs.shape[-1] - 1
+    best = log_probs.argmax(-1)
+    out = []
+    for row, n in zip(best.tolist(), lengths.tolist(), strict=False):
+        ids, prev = [], blank
+        for t in row[:n]:
+            if t != prev and t != blank:
+                ids.append(t)
+            prev = t
+        out.append(normalize_text(model.tokenizer.ids_to_text(ids)))
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, examples: list, att_context_size: list[int]) -> float:
+    """Corpus WER of greedy CTC on `examples` at one lookahead (full-utterance forward, eval mode)."""
+    model.eval()
+    model.encoder.set_default_att_context_size(att_context_size)
+    errors = words = 0
+    for i in range(0, len(examples), 16):
+        chunk = examples[i: i + 16]
+        lengths = [e.audio.size for e in chunk]
+        audio = torch.zeros(len(chunk), max(lengths))
+        for j, e in enumerate(chunk):
+            audio[j, : e.audio.size] = torch.from_numpy(e.audio)
+        lp, el, _ = model.forward(input_signal=audio, input_signal_length=torch.tensor(lengths))
+        for hyp, e in zip(ctc_greedy(model, lp, el), chunk, strict=False):
+            errors += word_errors(e.text, hyp)
+            words += len(e.text.split())
+    model.train()
+    return errors / max(words, 1)
+
+
+def lr_at(step: int, peak: float, warmup: int) -> float:
+    step = max(step, 1)
+    return peak * min(step / warmup, math.sqrt(warmup / step))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", default="runs/asr", help="run directory (tokenizer, checkpoints, log)")
+    ap.add_argument("--minutes", type=float, default=60.0, help="stop after this much wall time (resumable)")
+    ap.add_argument("--steps", type=int, default=0, help="stop at this step (0 = no limit)")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=400)
+    ap.add_argument("--d-model", type=int, default=176)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--val", type=int, default=96, help="held-out examples scored at each checkpoint")
+    ap.add_argument("--every", type=int, default=200, help="checkpoint and validate every N steps")
+    ap.add_argument("--export", nargs="?", const=str(SHIPPED), default=None,
+                    help="write the run's model as a .nemo (default asr/weights/fc_small.nemo) and exit")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    from asr.streaming_model import ATT_CONTEXT_SIZES, build_model, model_config, train_tokenizer
+
+    run = Path(args.run)
+    run.mkdir(parents=True, exist_ok=True)
+    tok_dir = run / "tokenizer"
+    if not (tok_dir / "tokenizer.model").exists():
+        train, _ = corpus()
+        train_tokenizer([normalize_text(s) for s in train], tok_dir, args.vocab)
+    meta_path = run / "run.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {
+        "d_model": args.d_model, "layers": args.layers, "vocab": args.vocab, "seed": args.seed,
+        "batch_size": args.batch_size, "history": []}
+    torch.manual_seed(meta["seed"])
+    cfg = model_config(tok_dir.resolve(), d_model=meta["d_model"], n_layers=meta["layers"])
+    model = build_model(cfg)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=1e-3)
+    step = 0
+    ckpt_path = run / "last.pt"
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        step = ckpt["step"]
+        print(f"resumed at step {step}", flush=True)
+
+    if args.export:
+        model.eval()
+        out = Path(args.export)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        model.save_to(str(out))
+        info = {k: v for k, v in meta.items() if k != "history"}
+        info.update(step=step, audio_hours=round(meta.get("audio_s", 0) / 3600, 2),
+                    params=sum(p.numel() for p in model.parameters()),
+                    last_validation=meta["history"][-1] if meta["history"] else None,
+                    recipe="python -m asr.train_streaming (asr/train_data.py for data)")
+        out.with_suffix(".json").write_text(json.dumps(info, indent=1) + "\n")
+        print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) at step {step}")
+        return 0
+
+    val = validation_set(args.val)
+    batch_size = meta["batch_size"]
+    loader = torch.utils.data.DataLoader(
+        BatchStream(meta["seed"], batch_size, step // POOL), batch_size=None, shuffle=False, num_workers=1,
+        prefetch_factor=2, persistent_workers=False)
+    model.train()
+    deadline = time.monotonic() + args.minutes * 60
+    t_last, losses = time.monotonic(), []
+    batches = ((audio, lengths, texts) for pool in loader for audio, lengths, texts in pool)
+    for _ in range(step % POOL):  # resuming inside a pool: skip the batches already trained on
+        next(batches)
+    for audio, lengths, texts in batches:
+        if time.monotonic() > deadline or (args.steps and step >= args.steps):
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step + 1, args.lr, args.warmup)
+        tokens = [model.tokenizer.text_to_ids(t) for t in texts]
+        targets = torch.zeros(len(tokens), max(len(t) for t in tokens), dtype=torch.long)
+        for i, t in enumerate(tokens):
+            targets[i, : len(t)] = torch.tensor(t)
+        lp, el, _ = model.forward(input_signal=audio.to(device), input_signal_length=lengths.to(device))
+        loss = model.loss(log_probs=lp, targets=targets.to(device), input_lengths=el,
+                          target_lengths=torch.tensor([len(t) for t in tokens], device=device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        meta["audio_s"] = meta.get("audio_s", 0.0) + float(lengths.sum()) / 16000
+        losses.append(float(loss.detach()))
+        if step % 20 == 0:
+            now = time.monotonic()
+            print(f"step {step} loss {np.mean(losses):.3f} lr {opt.param_groups[0]['lr']:.2e} "
+                  f"{(now - t_last) / 20:.2f} s/step audio {meta['audio_s'] / 3600:.2f} h", flush=True)
+            t_last, losses = now, []
+        if step % args.every == 0:
+            wers = {str(ctx[1]): round(evaluate(model, val, ctx), 4) for ctx in (ATT_CONTEXT_SIZES[1],)}
+            meta["history"].append({"step": step, "audio_h": round(meta["audio_s"] / 3600, 2), "wer": wers})
+            print(f"step {step} held-out WER {wers}", flush=True)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, str(ckpt_path) + ".tmp")
+            os.replace(str(ckpt_path) + ".tmp", ckpt_path)
+            meta_path.write_text(json.dumps(meta, indent=1))
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, str(ckpt_path) + ".tmp")
+    os.replace(str(ckpt_path) + ".tmp", ckpt_path)
+    meta_path.write_text(json.dumps(meta, indent=1))
+    print(f"stopped at step {step}; resume with the same command", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
