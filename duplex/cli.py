@@ -74,6 +74,10 @@ def _talk(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.asr:
+        from duplex.bench_asr import run as bench_asr
+
+        return bench_asr(args)
     from duplex.bench import main as bench_main
 
     return bench_main(args)
@@ -128,6 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --transport audiosocket against a running server: its AudioSocket address")
     b.add_argument("--tones", action="store_true",
                    help="with --serve --transport: tone stages instead of models, to measure the adapters alone")
+    b.add_argument("--asr", action="store_true",
+                   help="benchmark the streaming ASR instead (no server): per-chunk compute per lookahead, RTF, "
+                        "streams served in real time at --sessions")
+    b.add_argument("--model", default=None, help="with --asr: a .nemo file (default: asr/weights/fc_small.nemo)")
+    b.add_argument("--sessions", default="1,4,16", help="with --asr: concurrent session counts")
+    b.add_argument("--seconds", type=float, default=12.0, help="with --asr: speech streamed per session")
+    b.add_argument("--threads", type=int, default=0, help="with --asr: torch threads (0 = torch's default)")
+    b.add_argument("--budget-ms", type=float, default=None,
+                   help="with --asr: also report whether the P90 batch step fits this budget (30 on a GPU)")
+    b.add_argument("--cpu", action="store_true", help="with --asr: stay on the CPU even if CUDA is available")
     b.set_defaults(func=_bench)
 
     e = sub.add_parser("eval", help="evaluate a part of the service on held-out data")
@@ -137,7 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_dialogue_arguments(ed)
     ed.set_defaults(func=_eval_dialogue)
+    ea = esub.add_parser("asr", help="streaming ASR WER per lookahead beside Moonshine, on held-out voices or a folder")
+    from duplex.eval_asr import add_arguments as add_eval_asr_arguments
+
+    add_eval_asr_arguments(ea)
+    ea.set_defaults(func=_eval_asr)
     return p
+
+
+def _eval_asr(args: argparse.Namespace) -> int:
+    from duplex.eval_asr import run
+
+    return run(args)
 
 
 def _eval_dialogue(args: argparse.Namespace) -> int:

@@ -108,6 +108,22 @@ def _check_remote(cfg: ComponentConfig) -> ComponentReport:
     return ComponentReport(cfg.name, cfg.backend, opts.base_url, True, f"reachable; serves {models}")
 
 
+def _check_nemo(cfg: ComponentConfig) -> ComponentReport:
+    """A nemo-streaming ASR: NeMo installed, and the .nemo file present (published names need network)."""
+    from asr.nemo_streaming import PIP_HINT, SHIPPED
+
+    w = cfg.weights
+    source = str(w.get("path") or w.get("name") or (SHIPPED if w.get("shipped") else "?"))
+    if importlib.util.find_spec("nemo") is None:
+        return ComponentReport(cfg.name, cfg.backend, source, False, "nemo-toolkit not installed", PIP_HINT)
+    if w.get("name") and not w.get("path"):
+        return ComponentReport(cfg.name, cfg.backend, source, True, "published name: downloaded on first load")
+    path = Path(source).expanduser()
+    if not path.is_file():
+        return ComponentReport(cfg.name, cfg.backend, source, False, f"{path} missing")
+    return ComponentReport(cfg.name, cfg.backend, source, True, f".nemo ({path.stat().st_size / 1e6:.1f} MB)")
+
+
 def check_profile(profile: Profile, prepare: bool = False, verify: bool = False) -> list[ComponentReport]:
     reports = []
     for name, cfg in profile.components.items():
@@ -117,6 +133,8 @@ def check_profile(profile: Profile, prepare: bool = False, verify: bool = False)
             reports.append(_check_remote(cfg))
         elif cfg.backend == "moonshine":
             reports.append(_check_package(cfg, "*.ort"))
+        elif cfg.backend == "nemo-streaming":
+            reports.append(_check_nemo(cfg))
         elif cfg.backend == "hibari":
             reports.append(_check_package(cfg, "*.onnx"))
         elif "package" in cfg.weights:

@@ -24,13 +24,13 @@ class CapacityError(RuntimeError):
 
 def build_stages(profile: Profile, progress: bool = True) -> Stages:
     """Load the real stages a profile names (this imports the model packages)."""
-    from asr.moonshine import AsrChunk, load_asr_stage
+    from asr.moonshine import AsrChunk
     from asr.vad import load_vad_stage
     from dialogue.engine import ListenStep, OverlapStep, RespondStep, load_dialogue_stage
     from tts.hibari_tts import TtsInput, load_tts_stage
 
     backends = {name: c.backend for name, c in profile.components.items()}
-    expected = {"vad": ("silero-onnx",), "asr": ("moonshine",), "llm": ("transformers-gguf", "openai-chat"),
+    expected = {"vad": ("silero-onnx",), "asr": ("moonshine", "nemo-streaming"), "llm": ("transformers-gguf", "openai-chat"),
                 "tts": ("hibari",), "drafter": ("transformers-gguf",)}
     for name, backend in expected.items():
         if backends.get(name) is not None and backends.get(name) not in backend:
@@ -40,7 +40,7 @@ def build_stages(profile: Profile, progress: bool = True) -> Stages:
             )
     t0 = time.perf_counter()
     vad = load_vad_stage(profile.component("vad"))
-    asr = load_asr_stage(profile.component("asr"))
+    asr = load_asr(profile.component("asr"))
     tts = load_tts_stage(profile.component("tts"))
     drafter = profile.components.get("drafter")
     llm = load_dialogue_stage(profile.component("llm"), drafter, progress=progress)
@@ -61,6 +61,17 @@ def build_stages(profile: Profile, progress: bool = True) -> Stages:
         speak_threshold=float(getattr(policy, "speak_threshold", 0.5)),
         backchannel_threshold=float(getattr(policy, "backchannel_threshold", 0.5)),
     )
+
+
+def load_asr(cfg: Any) -> Any:
+    """The ASR stage for a models.yaml `asr` component; NeMo is imported only for nemo-streaming."""
+    if cfg.backend == "nemo-streaming":
+        from asr.nemo_streaming import load_streaming_asr_stage
+
+        return load_streaming_asr_stage(cfg)
+    from asr.moonshine import load_asr_stage
+
+    return load_asr_stage(cfg)
 
 
 def warm_up(stages: Stages) -> dict[str, float]:
