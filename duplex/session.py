@@ -503,6 +503,18 @@ class SessionCore:
         wait behind a partial that is still in flight (with two bulk workers they overlap)."""
         if "asr.final" in self._busy:
             return  # _on_asr asks again when the one in flight returns, if it does not cover enough
+        if getattr(self.stages.asr, "streaming", False):
+            # a streaming ASR finishes from the partials' state: only the audio since the last partial
+            # and the flush. Its state is not kept (partials go on from the pre-final state and the
+            # pending audio is not consumed), so a user who goes on after a speculative final loses nothing.
+            if "asr" in self._busy:
+                return  # the partial in flight carries the state; _on_asr asks again when it returns
+            chunk = np.concatenate(seg.pending) if seg.pending else np.zeros(0, dtype=np.float32)
+            self._submit(
+                "asr", "asr.final", seg.asr_state, self.stages.asr_chunk(chunk, True, True),
+                self.budgets["asr.final"], tag=(seg.sid, True, seg.total_samples),
+            )
+            return
         audio = np.concatenate(seg.audio) if seg.audio else np.zeros(0, dtype=np.float32)
         self._submit(
             "asr", "asr.final", self.stages.asr.init_state(), self.stages.asr_chunk(audio, True, True),
