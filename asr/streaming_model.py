@@ -41,7 +41,7 @@ def train_tokenizer(sentences: list[str], out_dir: str | os.PathLike, vocab_size
 def model_config(tokenizer_dir: str | os.PathLike, *, d_model: int = 176, n_layers: int = 10, n_heads: int = 4,
                  conv_kernel_size: int = 9, subsampling_conv_channels: int = 128, decoder: str = "ctc",
                  att_context_size: list[list[int]] | None = None, att_context_probs: list[float] | None = None,
-                 dropout: float = 0.1) -> Any:
+                 dropout: float = 0.1, subsampling_factor: int = 8) -> Any:
     """The OmegaConf config of a cache-aware streaming FastConformer (`decoder` 'ctc' or 'hybrid')."""
     from omegaconf import OmegaConf
 
@@ -50,7 +50,7 @@ def model_config(tokenizer_dir: str | os.PathLike, *, d_model: int = 176, n_laye
     encoder = {
         "_target_": "nemo.collections.asr.modules.ConformerEncoder",
         "feat_in": 80, "feat_out": -1, "n_layers": n_layers, "d_model": d_model,
-        "subsampling": "dw_striding", "subsampling_factor": 8,
+        "subsampling": "dw_striding", "subsampling_factor": subsampling_factor,
         "subsampling_conv_channels": subsampling_conv_channels, "causal_downsampling": True,
         "ff_expansion_factor": 4, "self_attention_model": "rel_pos", "n_heads": n_heads,
         "att_context_size": contexts, "att_context_probs": probs, "att_context_style": "chunked_limited",

@@ -175,8 +175,17 @@ def espeak_name(accent: str, variant: str) -> str:
     return f"{accent}+{variant}" if variant else accent
 
 
-def random_voice(rng: np.random.Generator, heldout: bool = False) -> VoiceSpec:
-    """A random speaker: held-out voices only when `heldout`, otherwise training voices and hibari."""
+EASY_VARIANTS = ("", "m1", "m3", "f1", "f2")  # the curriculum's first voices: plain en-US variants
+
+
+def random_voice(rng: np.random.Generator, heldout: bool = False, easy: bool = False) -> VoiceSpec:
+    """A random speaker: held-out voices only when `heldout`, otherwise training voices and hibari;
+    `easy`: hibari or a plain en-US espeak voice at a moderate rate (the curriculum's start)."""
+    if easy:
+        if rng.random() < 0.4:
+            return VoiceSpec("hibari", speed=float(rng.uniform(0.9, 1.1)))
+        variant = EASY_VARIANTS[rng.integers(len(EASY_VARIANTS))]
+        return VoiceSpec("espeak", espeak_name("en-US", variant), rate=int(rng.integers(150, 191)))
     if not heldout and rng.random() < HIBARI_SHARE:
         return VoiceSpec("hibari", speed=float(rng.uniform(0.85, 1.2)))
     if heldout:
@@ -275,14 +284,14 @@ class Example:
 
 def make_example(speaker: Speaker, sentences: tuple[str, ...], seed: int, index: int,
                  heldout: bool = False, clean: bool = False, max_words: int = 0,
-                 strength: float = 1.0) -> Example:
+                 strength: float = 1.0, easy: bool = False) -> Example:
     """Example `index` of the stream `seed`: a pure function of its arguments. `max_words` and
     `strength` are the curriculum: short sentences and light augmentation first."""
     rng = np.random.default_rng([seed, index, int(heldout)])
     sentence = sentences[int(rng.integers(len(sentences)))] if not heldout else sentences[index % len(sentences)]
     while max_words and len(sentence.split()) > max_words:
         sentence = sentences[int(rng.integers(len(sentences)))]
-    spec = random_voice(rng, heldout=heldout)
+    spec = random_voice(rng, heldout=heldout, easy=easy)
     audio = speaker.speak(sentence, spec)
     if clean:
         audio = np.concatenate([np.zeros(3200, np.float32), _trim(audio), np.zeros(4800, np.float32)])

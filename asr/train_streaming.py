@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -30,15 +31,20 @@ SHIPPED = WEIGHTS_DIR / "fc_small.nemo"
 
 
 POOL = 4  # batches drawn together and sorted by length, so a batch pads little
-# Curriculum (CTC from scratch sits on the all-blank plateau for a long time otherwise): until this step,
-# sentences of at most CURRICULUM_WORDS words, a third of the augmentation and no SpecAugment.
-CURRICULUM_STEPS = 900
+# Curriculum (CTC from scratch sits on its all-blank plateau for a long time otherwise, measured here: 700
+# steps of all voices at once left it there): sentences of at most CURRICULUM_WORDS words, a third of the
+# augmentation and no SpecAugment until CURRICULUM_STEPS; within that, steps EASY_STEPS[0]..[1] hear only
+# hibari and plain en-US espeak voices, so the acoustics are learnt before the voice variety.
+CURRICULUM_STEPS = 1700
 CURRICULUM_WORDS = 7
+EASY_STEPS = (750, 1400)
 
 
-def curriculum(step: int) -> tuple[int, float]:
-    """(max words, augmentation strength) for training step `step`."""
-    return (CURRICULUM_WORDS, 0.33) if step < CURRICULUM_STEPS else (0, 1.0)
+def curriculum(step: int) -> tuple[int, float, bool]:
+    """(max words, augmentation strength, easy voices only) for training step `step`."""
+    if step >= CURRICULUM_STEPS:
+        return 0, 1.0, False
+    return CURRICULUM_WORDS, 0.33, EASY_STEPS[0] <= step < EASY_STEPS[1]
 
 
 class BatchStream(torch.utils.data.Dataset):
@@ -59,9 +65,10 @@ class BatchStream(torch.utils.data.Dataset):
         train, _ = corpus()
         n = self.batch_size * POOL
         index = (self.first + p) * n
-        max_words, strength = curriculum((self.first + p) * POOL)
+        max_words, strength, easy = curriculum((self.first + p) * POOL)
         examples = sorted((make_example(self.speaker, train, self.seed, index + i, max_words=max_words,
-                                        strength=strength) for i in range(n)), key=lambda e: e.audio.size)
+                                        strength=strength, easy=easy) for i in range(n)),
+                          key=lambda e: e.audio.size)
         batches = []
         for b in range(POOL):
             part = examples[b * self.batch_size: (b + 1) * self.batch_size]
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=400)
     ap.add_argument("--d-model", type=int, default=176)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=1024, help="BPE size: at 8x subsampling (12.5 frames/s) 256 pieces give ~2.7 per word, too many for CTC at fast speech")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--val", type=int, default=96, help="held-out examples scored at each checkpoint")
@@ -191,12 +198,20 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     spec_augment = model.spec_augmentation
     deadline = time.monotonic() + args.minutes * 60
+    stop = {"asked": False}
+
+    def ask_stop(signum, _frame):  # SIGTERM / Ctrl-C: finish the step, save, exit (resume later)
+        stop["asked"] = True
+        print(f"signal {signum}: saving and stopping after this step", flush=True)
+
+    signal.signal(signal.SIGTERM, ask_stop)
+    signal.signal(signal.SIGINT, ask_stop)
     t_last, losses = time.monotonic(), []
     batches = ((audio, lengths, texts) for pool in loader for audio, lengths, texts in pool)
     for _ in range(step % POOL):  # resuming inside a pool: skip the batches already trained on
         next(batches)
     for audio, lengths, texts in batches:
-        if time.monotonic() > deadline or (args.steps and step >= args.steps):
+        if stop["asked"] or time.monotonic() > deadline or (args.steps and step >= args.steps):
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step + 1, args.lr, args.warmup)
