@@ -390,6 +390,11 @@ def load_streaming_asr_stage(cfg: ComponentConfig) -> NemoStreamingAsrStage:
         source = str(w["name"])
     elif w.get("shipped", False):
         source = SHIPPED
+        if not SHIPPED.is_file():
+            raise ModelError(
+                f"component {cfg.name!r}: the project's streaming model {SHIPPED} is not trained yet; train it "
+                "with `python -m asr.train_streaming` and `--export` (docs/asr.md), or point weights at "
+                "{path: your.nemo} or {name: stt_en_fastconformer_hybrid_large_streaming_multi}")
     else:
         raise ConfigError(f"component {cfg.name!r}: weights need one of shipped: true, path: or name:")
     opts = cfg.options

@@ -213,3 +213,14 @@ def test_bad_input_and_reuse_after_final(tiny):
     assert out.is_final and out.text == "" and not out.eou
     with pytest.raises(ValueError, match="finalised"):
         stage.step(state, AsrChunk(np.zeros(100, np.float32)))
+
+
+def test_missing_shipped_model_says_how_to_get_one(tmp_path, monkeypatch):
+    import asr.nemo_streaming as ns
+    from duplex.errors import ModelError
+
+    monkeypatch.setattr(ns, "SHIPPED", tmp_path / "fc_small.nemo")
+    with pytest.raises(ModelError, match="not trained yet.*asr.train_streaming"):
+        load_streaming_asr_stage(ComponentConfig("asr", "nemo-streaming", {"shipped": True}))
+    with pytest.raises(ConfigError, match="weights need one of"):
+        load_streaming_asr_stage(ComponentConfig("asr", "nemo-streaming", {}))
