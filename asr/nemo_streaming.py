@@ -130,17 +130,7 @@ class NemoStreamingModel:
         self.blank = self.tokenizer.vocab_size
         self.eou_frames = max(1, round(eou_silence_ms / 1000 / self.frame_seconds))
         self.keep_encoded = False  # tests: keep every chunk's encoder output in the state
-        frames = enc.pre_encode.get_sampling_frames() if hasattr(enc.pre_encode, "get_sampling_frames") else 1
-        self.sampling_frames = [int(v) for v in frames] if isinstance(frames, (list, tuple)) else [int(frames)] * 2
         self._word_start = self._word_start_table()
-
-    # -- loading -------------------------------------------------------------------------
-
-    @classmethod
-    def load(cls, source: str | os.PathLike, **kwargs: Any) -> NemoStreamingModel:
-        """Load from a `.nemo` file (no network) or a published model name (downloads; GPU users)."""
-        restore = load_nemo_model(source)
-        return cls(restore, **kwargs)
 
     def _word_start_table(self) -> list[bool]:
         starts = []
@@ -319,6 +309,7 @@ class NemoStreamingAsrStage:
                 h = hyps[i]
                 toks = [int(t) for t in (h.y_sequence.tolist() if hasattr(h.y_sequence, "tolist") else h.y_sequence)]
                 old = len(w.state.tokens)
+                # RNNT: new tokens are timed at the chunk's last frame (chunk resolution, not frame)
                 frames = list(w.state.token_frames) + [w.state.enc_frames + max(int(enc_len[i]) - 1, 0)] * (len(toks) - old)
                 w.state = replace(w.state, hyp=h, tokens=tuple(toks), token_frames=tuple(frames[: len(toks)]))
         for i, w in enumerate(group):
