@@ -19,7 +19,18 @@ _AUDIO_OUTPUT_SYNCHRONOUS = 2
 _POS_CHARACTER = 1
 _CHARS_UTF8 = 1
 _RATE, _VOLUME, _PITCH, _RANGE, _WORDGAP = 1, 2, 3, 4, 7
-_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p)
+_EVENT_LIST_TERMINATED, _EVENT_WORD = 0, 1
+
+
+class _Event(ctypes.Structure):
+    """espeak_EVENT (speak_lib.h): word events carry the word's character span and audio position."""
+
+    _fields_ = [("type", ctypes.c_int), ("unique_identifier", ctypes.c_uint), ("text_position", ctypes.c_int),
+                ("length", ctypes.c_int), ("audio_position", ctypes.c_int), ("sample", ctypes.c_int),
+                ("user_data", ctypes.c_void_p), ("id", ctypes.c_void_p)]
+
+
+_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.POINTER(_Event))
 
 _lock = threading.Lock()
 _instance: EspeakVoice | None = None
@@ -47,10 +58,17 @@ class EspeakVoice:
         self.sample_rate = rate
         self._lib = lib
         self._chunks: list[np.ndarray] = []
+        self._words: list[tuple[int, int, int]] = []
 
-        def on_audio(wav, n, _events):  # noqa: ANN001 - ctypes callback
+        def on_audio(wav, n, events):  # noqa: ANN001 - ctypes callback
             if n > 0:
                 self._chunks.append(np.ctypeslib.as_array(wav, shape=(n,)).astype(np.float32) / 32768.0)
+            i = 0
+            while events and events[i].type != _EVENT_LIST_TERMINATED:
+                event = events[i]
+                if event.type == _EVENT_WORD:
+                    self._words.append((event.text_position, event.length, event.audio_position))
+                i += 1
             return 0
 
         self._callback = _CALLBACK(on_audio)  # kept referenced: espeak calls it until the process ends
@@ -59,18 +77,25 @@ class EspeakVoice:
     def synthesize(self, text: str, voice: str = "en-US", rate: int = 175, pitch: int = 50,
                    pitch_range: int = 50, word_gap: int = 0) -> np.ndarray:
         """Speak `text` with `voice` (`lang[+variant]`); rate in words per minute, pitch/range 0..100."""
+        return self.synthesize_words(text, voice, rate, pitch, pitch_range, word_gap)[0]
+
+    def synthesize_words(self, text: str, voice: str = "en-US", rate: int = 175, pitch: int = 50,
+                         pitch_range: int = 50, word_gap: int = 0) -> tuple[np.ndarray, list[tuple[int, int, float]]]:
+        """`synthesize` plus espeak's word events: (first character index in `text` (0-based), length in
+        characters, start time in seconds) for each word it spoke, in order."""
         if self._lib.espeak_SetVoiceByName(voice.encode()) != 0:
             raise ValueError(f"espeak-ng has no voice {voice!r}")
         for param, value in ((_RATE, rate), (_PITCH, pitch), (_RANGE, pitch_range), (_WORDGAP, word_gap)):
             self._lib.espeak_SetParameter(param, int(value), 0)
-        self._chunks = []
+        self._chunks, self._words = [], []
         raw = text.encode("utf-8") + b"\0"
         err = self._lib.espeak_Synth(raw, len(raw), 0, _POS_CHARACTER, 0, _CHARS_UTF8, None, None)
         if err != 0:
             raise ModelError(f"espeak-ng failed to synthesise {text[:40]!r} (error {err})")
         out = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
-        self._chunks = []
-        return out
+        words = [(pos - 1, length, ms / 1000.0) for pos, length, ms in self._words]
+        self._chunks, self._words = [], []
+        return out, words
 
 
 def espeak_voice() -> EspeakVoice:

@@ -209,6 +209,11 @@ class Speaker:
         self._hibari = None
 
     def speak(self, text: str, spec: VoiceSpec) -> np.ndarray:
+        return self.speak_words(text, spec)[0]
+
+    def speak_words(self, text: str, spec: VoiceSpec) -> tuple[np.ndarray, list[tuple[float, float]] | None]:
+        """Audio at 16 kHz and, for espeak voices, each normalised word's (start, end) in seconds
+        (`word_times`); None for hibari, which does not report where its words are."""
         if spec.engine == "hibari":
             from tts.hibari_tts import SAMPLE_RATE as HIBARI_RATE
             from tts.hibari_tts import HibariSynth
@@ -216,16 +221,52 @@ class Speaker:
             if self._hibari is None:
                 self._hibari = HibariSynth(threads=1)
             self._hibari.speed = float(spec.speed)  # read per call by synthesize()
-            audio, rate = self._hibari.synthesize(text), HIBARI_RATE
-        else:
-            from asr.espeak_voice import espeak_voice
+            audio = self._hibari.synthesize(text)
+            return resample(audio, HIBARI_RATE, SAMPLE_RATE).astype(np.float32), None
+        from asr.espeak_voice import espeak_voice
 
-            if self._espeak is None:
-                self._espeak = espeak_voice()
-            audio = self._espeak.synthesize(text, spec.voice, rate=spec.rate, pitch=spec.pitch,
-                                            pitch_range=spec.pitch_range, word_gap=spec.word_gap)
-            rate = self._espeak.sample_rate
-        return resample(audio, rate, SAMPLE_RATE).astype(np.float32)
+        if self._espeak is None:
+            self._espeak = espeak_voice()
+        audio, events = self._espeak.synthesize_words(text, spec.voice, rate=spec.rate, pitch=spec.pitch,
+                                                      pitch_range=spec.pitch_range, word_gap=spec.word_gap)
+        audio = resample(audio, self._espeak.sample_rate, SAMPLE_RATE).astype(np.float32)
+        return audio, word_times(text, events, audio)
+
+
+def word_times(text: str, events: list[tuple[int, int, float]], audio: np.ndarray,
+               threshold: float = 0.02) -> list[tuple[float, float]] | None:
+    """Each word of `normalize_text(text)` as (start, end) seconds in `audio` (16 kHz), from espeak's word
+    events (character span, start time): a word ends at the last 10 ms of sound (RMS above `threshold`
+    of the peak) before the next word starts. None when the events do not cover the words one to one."""
+    starts: list[float] = []
+    if events and normalize_text(text[: events[0][0]]):
+        return None
+    for k, (pos, _length, t) in enumerate(events):
+        # the text up to the next event: espeak reports "well-known" as one word event at "well"
+        n = len(normalize_text(text[pos: events[k + 1][0] if k + 1 < len(events) else len(text)]).split())
+        starts.extend([t] * n)  # an event of several words: its span is split evenly below
+    if not starts or len(starts) != len(normalize_text(text).split()):
+        return None
+    hop = SAMPLE_RATE // 100
+    frames = audio[: audio.size // hop * hop].reshape(-1, hop)
+    loud = np.sqrt(np.mean(frames.astype(np.float64) ** 2, axis=1)) > threshold * (np.max(np.abs(audio)) + 1e-9)
+    total = audio.size / SAMPLE_RATE
+    out: list[tuple[float, float]] = []
+    i = 0
+    while i < len(starts):
+        j = i
+        while j + 1 < len(starts) and starts[j + 1] == starts[i]:
+            j += 1
+        start = starts[i]
+        nxt = starts[j + 1] if j + 1 < len(starts) else total
+        a, b = int(start * 100), min(int(nxt * 100), loud.size)
+        sound = np.flatnonzero(loud[a:b])
+        end = (a + sound[-1] + 1) / 100 if sound.size else min(nxt, start + 0.1)
+        end = max(end, start + 0.03)
+        step = (end - start) / (j - i + 1)
+        out.extend((start + k * step, start + (k + 1) * step) for k in range(j - i + 1))
+        i = j + 1
+    return out
 
 
 def _trim(audio: np.ndarray, threshold: float = 1e-3) -> np.ndarray:
@@ -248,9 +289,19 @@ def _colored_noise(rng: np.random.Generator, n: int) -> np.ndarray:
 def augment(audio: np.ndarray, rng: np.random.Generator, strength: float = 1.0) -> np.ndarray:
     """Speed perturbation, reverberation, leading/trailing silence, noise, telephone band and gain;
     `strength` scales how often each is applied (the curriculum starts light)."""
-    x = _trim(audio).astype(np.float64)
+    return augment_timed(audio, rng, strength)[0]
+
+
+def augment_timed(audio: np.ndarray, rng: np.random.Generator,
+                  strength: float = 1.0) -> tuple[np.ndarray, float, float]:
+    """`augment`, plus how it moved time: a moment t (s) of `audio` is at `offset + scale * t` in the result."""
+    trimmed = _trim(audio)
+    first = int(np.flatnonzero(np.abs(audio) > 1e-3)[0]) if trimmed.size != audio.size else 0
+    x = trimmed.astype(np.float64)
+    scale = 1.0
     if rng.random() < 0.5 * strength:  # speed perturbation (changes pitch too), as Kaldi's 0.9/1.0/1.1
         factor = float(rng.uniform(0.9, 1.1))
+        scale = 1.0 / factor
         import soxr
 
         x = soxr.resample(x, SAMPLE_RATE * factor, SAMPLE_RATE)
@@ -272,7 +323,7 @@ def augment(audio: np.ndarray, rng: np.random.Generator, strength: float = 1.0) 
         x = resample(resample(x.astype(np.float32), SAMPLE_RATE, 8000), 8000, SAMPLE_RATE).astype(np.float64)
     peak = np.max(np.abs(x)) + 1e-9
     x *= 10 ** (rng.uniform(-30, -1) / 20) / peak
-    return x.astype(np.float32)
+    return x.astype(np.float32), lead / SAMPLE_RATE - scale * first / SAMPLE_RATE, scale
 
 
 @dataclass(frozen=True)
@@ -280,6 +331,7 @@ class Example:
     text: str  # normalised transcript
     audio: np.ndarray  # float32, 16 kHz
     voice: str
+    word_times: tuple[tuple[float, float], ...] | None = None  # each word's (start, end) s in `audio`
 
 
 def make_example(speaker: Speaker, sentences: tuple[str, ...], seed: int, index: int,
@@ -292,10 +344,13 @@ def make_example(speaker: Speaker, sentences: tuple[str, ...], seed: int, index:
     while max_words and len(sentence.split()) > max_words:
         sentence = sentences[int(rng.integers(len(sentences)))]
     spec = random_voice(rng, heldout=heldout, easy=easy)
-    audio = speaker.speak(sentence, spec)
+    audio, times = speaker.speak_words(sentence, spec)
     if clean:
+        loud = np.flatnonzero(np.abs(audio) > 1e-3)
+        offset, scale = 0.2 - (loud[0] / SAMPLE_RATE if loud.size else 0.0), 1.0
         audio = np.concatenate([np.zeros(3200, np.float32), _trim(audio), np.zeros(4800, np.float32)])
         audio *= 0.5 / (np.max(np.abs(audio)) + 1e-9)
     else:
-        audio = augment(audio, rng, strength)
-    return Example(normalize_text(sentence), audio, spec.name())
+        audio, offset, scale = augment_timed(audio, rng, strength)
+    moved = None if times is None else tuple((offset + scale * a, offset + scale * b) for a, b in times)
+    return Example(normalize_text(sentence), audio, spec.name(), moved)

@@ -35,9 +35,58 @@ POOL = 4  # batches drawn together and sorted by length, so a batch pads little
 # steps of all voices at once left it there): sentences of at most CURRICULUM_WORDS words, a third of the
 # augmentation and no SpecAugment until CURRICULUM_STEPS; within that, steps EASY_STEPS[0]..[1] hear only
 # hibari and plain en-US espeak voices, so the acoustics are learnt before the voice variety.
-CURRICULUM_STEPS = 1700
+CURRICULUM_STEPS = 1200
 CURRICULUM_WORDS = 7
-EASY_STEPS = (750, 1400)
+EASY_STEPS = (0, 300)
+# Alignment loss: espeak reports where each word is (asr/train_data.py `word_times`), so each word's
+# pieces get a frame (spread over the word, each at the frame where its letters end) and a frame-level
+# cross-entropy towards "these pieces there, blank elsewhere" is added to CTC. It gives every frame a
+# target from the first step, which CTC alone does not (measured here: 1750 CTC-only steps stayed on the
+# all-blank plateau). Its weight is ALIGN_WEIGHT until ALIGN_STEPS[0], then falls linearly to
+# ALIGN_FLOOR at ALIGN_STEPS[1], leaving CTC to choose its own timing.
+ALIGN_WEIGHT, ALIGN_FLOOR = 1.0, 0.1
+ALIGN_STEPS = (1500, 3000)
+FRAME_S = 0.08  # encoder frame (8x subsampling of 10 ms features)
+
+
+def align_weight(step: int) -> float:
+    if step <= ALIGN_STEPS[0]:
+        return ALIGN_WEIGHT
+    done = min(1.0, (step - ALIGN_STEPS[0]) / (ALIGN_STEPS[1] - ALIGN_STEPS[0]))
+    return ALIGN_WEIGHT + done * (ALIGN_FLOOR - ALIGN_WEIGHT)
+
+
+def alignment_targets(pieces: list[list[str]], word_times: list, n_frames: list[int], blank: int,
+                      ids: list[list[int]]) -> torch.Tensor:
+    """Frame targets (batch, max frames) for the alignment loss: example b's pieces `ids[b]` (SentencePiece
+    `pieces[b]`, a word starts at a '▁' piece) placed over its words' (start, end) seconds, each piece at the
+    frame where its share of the word's letters ends, later pieces pushed one frame on where they collide;
+    `blank` elsewhere; -100 (ignored) for a whole example without word times or whose pieces do not fit."""
+    out = torch.full((len(ids), max(n_frames)), -100, dtype=torch.long)
+    for b, (toks, times) in enumerate(zip(pieces, word_times, strict=True)):
+        if times is None:
+            continue
+        words: list[list[tuple[int, int]]] = []
+        for tid, piece in zip(ids[b], toks, strict=True):
+            if piece.startswith("▁") or not words:
+                words.append([])
+            words[-1].append((tid, max(len(piece.lstrip("▁")), 1)))
+        if len(words) != len(times):
+            continue
+        row = torch.full((n_frames[b],), blank, dtype=torch.long)
+        prev, ok = -1, True
+        for word, (start, end) in zip(words, times, strict=True):
+            total, seen = sum(n for _, n in word), 0
+            for tid, n in word:
+                seen += n
+                frame = max(int((start + (end - start) * seen / total) / FRAME_S), prev + 1)
+                if frame >= n_frames[b]:
+                    ok = False
+                    break
+                row[frame], prev = tid, frame
+        if ok:
+            out[b, : n_frames[b]] = row
+    return out
 
 
 def curriculum(step: int) -> tuple[int, float, bool]:
@@ -49,7 +98,7 @@ def curriculum(step: int) -> tuple[int, float, bool]:
 
 class BatchStream(torch.utils.data.Dataset):
     """Item p is the pool of training batches p*POOL .. p*POOL+POOL-1 of the seeded example stream,
-    its examples sorted by duration (less padding), as a list of (audio, lengths, texts)."""
+    its examples sorted by duration (less padding), as a list of (audio, lengths, texts, word times)."""
 
     def __init__(self, seed: int, batch_size: int, first_pool: int) -> None:
         self.seed, self.batch_size, self.first = seed, batch_size, first_pool
@@ -76,7 +125,7 @@ class BatchStream(torch.utils.data.Dataset):
             audio = torch.zeros(len(part), max(lengths))
             for i, e in enumerate(part):
                 audio[i, : e.audio.size] = torch.from_numpy(e.audio)
-            batches.append((audio, torch.tensor(lengths), [e.text for e in part]))
+            batches.append((audio, torch.tensor(lengths), [e.text for e in part], [e.word_times for e in part]))
         order = np.random.default_rng([self.seed, self.first + p]).permutation(POOL)
         return [batches[i] for i in order]
 
@@ -206,11 +255,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, ask_stop)
     signal.signal(signal.SIGINT, ask_stop)
-    t_last, losses = time.monotonic(), []
-    batches = ((audio, lengths, texts) for pool in loader for audio, lengths, texts in pool)
+    t_last, losses, align_losses = time.monotonic(), [], []
+    batches = (batch for pool in loader for batch in pool)
     for _ in range(step % POOL):  # resuming inside a pool: skip the batches already trained on
         next(batches)
-    for audio, lengths, texts in batches:
+    for audio, lengths, texts, times in batches:
         if stop["asked"] or time.monotonic() > deadline or (args.steps and step >= args.steps):
             break
         for group in opt.param_groups:
@@ -221,20 +270,32 @@ def main(argv: list[str] | None = None) -> int:
         for i, t in enumerate(tokens):
             targets[i, : len(t)] = torch.tensor(t)
         lp, el, _ = model.forward(input_signal=audio.to(device), input_signal_length=lengths.to(device))
-        loss = model.loss(log_probs=lp, targets=targets.to(device), input_lengths=el,
-                          target_lengths=torch.tensor([len(t) for t in tokens], device=device))
+        ctc = model.loss(log_probs=lp, targets=targets.to(device), input_lengths=el,
+                         target_lengths=torch.tensor([len(t) for t in tokens], device=device))
+        loss = ctc
+        weight = align_weight(step + 1)
+        if weight > 0:
+            frames = alignment_targets([model.tokenizer.ids_to_tokens(t) for t in tokens], times, el.tolist(),
+                                       lp.shape[-1] - 1, tokens).to(device)
+            aligned = int((frames[:, 0] != -100).sum())
+            if aligned:  # summed over an example's frames, averaged over examples: CTC's scale
+                align = torch.nn.functional.nll_loss(lp[:, : frames.shape[1]].transpose(1, 2), frames,
+                                                     ignore_index=-100, reduction="sum") / aligned
+                loss = loss + weight * align
+                align_losses.append(float(align.detach()))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
         meta["audio_s"] = meta.get("audio_s", 0.0) + float(lengths.sum()) / 16000
-        losses.append(float(loss.detach()))
+        losses.append(float(ctc.detach()))
         if step % 20 == 0:
             now = time.monotonic()
-            print(f"step {step} loss {np.mean(losses):.3f} lr {opt.param_groups[0]['lr']:.2e} "
+            align_text = f" align {np.mean(align_losses):.2f}" if align_losses else ""
+            print(f"step {step} ctc {np.mean(losses):.3f}{align_text} lr {opt.param_groups[0]['lr']:.2e} "
                   f"{(now - t_last) / 20:.2f} s/step audio {meta['audio_s'] / 3600:.2f} h", flush=True)
-            t_last, losses = now, []
+            t_last, losses, align_losses = now, [], []
         if step % args.every == 0:
             wers = {str(ctx[1]): round(evaluate(model, val, ctx), 4) for ctx in (ATT_CONTEXT_SIZES[1],)}
             meta["history"].append({"step": step, "audio_h": round(meta["audio_s"] / 3600, 2), "wer": wers})
