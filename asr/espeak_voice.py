@@ -19,7 +19,8 @@ _AUDIO_OUTPUT_SYNCHRONOUS = 2
 _POS_CHARACTER = 1
 _CHARS_UTF8 = 1
 _RATE, _VOLUME, _PITCH, _RANGE, _WORDGAP = 1, 2, 3, 4, 7
-_EVENT_LIST_TERMINATED, _EVENT_WORD = 0, 1
+_EVENT_LIST_TERMINATED, _EVENT_WORD, _EVENT_PHONEME = 0, 1, 7
+_INITIALIZE_PHONEME_EVENTS = 0x0001
 
 
 class _Event(ctypes.Structure):
@@ -27,7 +28,7 @@ class _Event(ctypes.Structure):
 
     _fields_ = [("type", ctypes.c_int), ("unique_identifier", ctypes.c_uint), ("text_position", ctypes.c_int),
                 ("length", ctypes.c_int), ("audio_position", ctypes.c_int), ("sample", ctypes.c_int),
-                ("user_data", ctypes.c_void_p), ("id", ctypes.c_void_p)]
+                ("user_data", ctypes.c_void_p), ("id", ctypes.c_char * 8)]
 
 
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.POINTER(_Event))
@@ -52,13 +53,14 @@ class EspeakVoice:
         lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.espeak_Synth.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int,
                                      ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
-        rate = lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, data, 0)
+        rate = lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, data, _INITIALIZE_PHONEME_EVENTS)
         if rate <= 0:
             raise ModelError(f"espeak-ng failed to initialise (data at {data.decode()})")
         self.sample_rate = rate
         self._lib = lib
         self._chunks: list[np.ndarray] = []
         self._words: list[tuple[int, int, int]] = []
+        self._phonemes: list[tuple[str, int]] = []
 
         def on_audio(wav, n, events):  # noqa: ANN001 - ctypes callback
             if n > 0:
@@ -68,6 +70,8 @@ class EspeakVoice:
                 event = events[i]
                 if event.type == _EVENT_WORD:
                     self._words.append((event.text_position, event.length, event.audio_position))
+                elif event.type == _EVENT_PHONEME:
+                    self._phonemes.append((event.id.decode("ascii", "replace"), event.audio_position))
                 i += 1
             return 0
 
@@ -77,25 +81,27 @@ class EspeakVoice:
     def synthesize(self, text: str, voice: str = "en-US", rate: int = 175, pitch: int = 50,
                    pitch_range: int = 50, word_gap: int = 0) -> np.ndarray:
         """Speak `text` with `voice` (`lang[+variant]`); rate in words per minute, pitch/range 0..100."""
-        return self.synthesize_words(text, voice, rate, pitch, pitch_range, word_gap)[0]
+        return self.synthesize_timed(text, voice, rate, pitch, pitch_range, word_gap)[0]
 
-    def synthesize_words(self, text: str, voice: str = "en-US", rate: int = 175, pitch: int = 50,
-                         pitch_range: int = 50, word_gap: int = 0) -> tuple[np.ndarray, list[tuple[int, int, float]]]:
-        """`synthesize` plus espeak's word events: (first character index in `text` (0-based), length in
-        characters, start time in seconds) for each word it spoke, in order."""
+    def synthesize_timed(self, text: str, voice: str = "en-US", rate: int = 175, pitch: int = 50,
+                         pitch_range: int = 50, word_gap: int = 0
+                         ) -> tuple[np.ndarray, list[tuple[int, int, float]], list[tuple[str, float]]]:
+        """`synthesize` plus espeak's events, in order: words as (first character index in `text` (0-based),
+        length in characters, start time in seconds) and phonemes as (espeak mnemonic, start seconds)."""
         if self._lib.espeak_SetVoiceByName(voice.encode()) != 0:
             raise ValueError(f"espeak-ng has no voice {voice!r}")
         for param, value in ((_RATE, rate), (_PITCH, pitch), (_RANGE, pitch_range), (_WORDGAP, word_gap)):
             self._lib.espeak_SetParameter(param, int(value), 0)
-        self._chunks, self._words = [], []
+        self._chunks, self._words, self._phonemes = [], [], []
         raw = text.encode("utf-8") + b"\0"
         err = self._lib.espeak_Synth(raw, len(raw), 0, _POS_CHARACTER, 0, _CHARS_UTF8, None, None)
         if err != 0:
             raise ModelError(f"espeak-ng failed to synthesise {text[:40]!r} (error {err})")
         out = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
         words = [(pos - 1, length, ms / 1000.0) for pos, length, ms in self._words]
-        self._chunks, self._words = [], []
-        return out, words
+        phonemes = [(name, ms / 1000.0) for name, ms in self._phonemes]
+        self._chunks, self._words, self._phonemes = [], [], []
+        return out, words, phonemes
 
 
 def espeak_voice() -> EspeakVoice:

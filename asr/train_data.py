@@ -214,6 +214,12 @@ class Speaker:
     def speak_words(self, text: str, spec: VoiceSpec) -> tuple[np.ndarray, list[tuple[float, float]] | None]:
         """Audio at 16 kHz and, for espeak voices, each normalised word's (start, end) in seconds
         (`word_times`); None for hibari, which does not report where its words are."""
+        audio, words, _ = self.speak_timed(text, spec)
+        return audio, words
+
+    def speak_timed(self, text: str, spec: VoiceSpec) -> tuple[
+            np.ndarray, list[tuple[float, float]] | None, list[tuple[str, float, float]] | None]:
+        """`speak_words` plus espeak's phonemes as (mnemonic, start, end) seconds (None for hibari)."""
         if spec.engine == "hibari":
             from tts.hibari_tts import SAMPLE_RATE as HIBARI_RATE
             from tts.hibari_tts import HibariSynth
@@ -222,15 +228,19 @@ class Speaker:
                 self._hibari = HibariSynth(threads=1)
             self._hibari.speed = float(spec.speed)  # read per call by synthesize()
             audio = self._hibari.synthesize(text)
-            return resample(audio, HIBARI_RATE, SAMPLE_RATE).astype(np.float32), None
+            return resample(audio, HIBARI_RATE, SAMPLE_RATE).astype(np.float32), None, None
         from asr.espeak_voice import espeak_voice
 
         if self._espeak is None:
             self._espeak = espeak_voice()
-        audio, events = self._espeak.synthesize_words(text, spec.voice, rate=spec.rate, pitch=spec.pitch,
-                                                      pitch_range=spec.pitch_range, word_gap=spec.word_gap)
+        audio, events, phonemes = self._espeak.synthesize_timed(
+            text, spec.voice, rate=spec.rate, pitch=spec.pitch, pitch_range=spec.pitch_range,
+            word_gap=spec.word_gap)
         audio = resample(audio, self._espeak.sample_rate, SAMPLE_RATE).astype(np.float32)
-        return audio, word_times(text, events, audio)
+        total = audio.size / SAMPLE_RATE
+        spans = [(name, t, phonemes[k + 1][1] if k + 1 < len(phonemes) else total)
+                 for k, (name, t) in enumerate(phonemes)]
+        return audio, word_times(text, events, audio), [s for s in spans if s[2] > s[1]]
 
 
 def word_times(text: str, events: list[tuple[int, int, float]], audio: np.ndarray,
@@ -332,6 +342,7 @@ class Example:
     audio: np.ndarray  # float32, 16 kHz
     voice: str
     word_times: tuple[tuple[float, float], ...] | None = None  # each word's (start, end) s in `audio`
+    phones: tuple[tuple[str, float, float], ...] | None = None  # espeak phonemes (mnemonic, start, end) s
 
 
 def make_example(speaker: Speaker, sentences: tuple[str, ...], seed: int, index: int,
@@ -344,7 +355,7 @@ def make_example(speaker: Speaker, sentences: tuple[str, ...], seed: int, index:
     while max_words and len(sentence.split()) > max_words:
         sentence = sentences[int(rng.integers(len(sentences)))]
     spec = random_voice(rng, heldout=heldout, easy=easy)
-    audio, times = speaker.speak_words(sentence, spec)
+    audio, times, phones = speaker.speak_timed(sentence, spec)
     if clean:
         loud = np.flatnonzero(np.abs(audio) > 1e-3)
         offset, scale = 0.2 - (loud[0] / SAMPLE_RATE if loud.size else 0.0), 1.0
@@ -353,4 +364,5 @@ def make_example(speaker: Speaker, sentences: tuple[str, ...], seed: int, index:
     else:
         audio, offset, scale = augment_timed(audio, rng, strength)
     moved = None if times is None else tuple((offset + scale * a, offset + scale * b) for a, b in times)
-    return Example(normalize_text(sentence), audio, spec.name(), moved)
+    moved_phones = None if phones is None else tuple((p, offset + scale * a, offset + scale * b) for p, a, b in phones)
+    return Example(normalize_text(sentence), audio, spec.name(), moved, moved_phones)

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("espeakng_loader")
 
 from asr.train_data import SAMPLE_RATE, Speaker, VoiceSpec, augment_timed, normalize_text  # noqa: E402
-from asr.train_streaming import FRAME_S, alignment_targets  # noqa: E402
+from asr.train_streaming import FRAME_S, PHONE_CLASSES, alignment_targets, phone_class, phone_targets  # noqa: E402
 
 
 def _envelope(audio: np.ndarray) -> np.ndarray:
@@ -42,10 +42,20 @@ def test_espeak_word_times_cover_every_word_on_its_sound(speaker):
     assert mr[0] - actor[1] > 0.05
 
 
+def test_espeak_phonemes_tile_the_words(speaker):
+    audio, words, phones = speaker.speak_timed("Hello there, my friend.", VoiceSpec("espeak", "en-GB-scotland+m3"))
+    assert [p.replace("'", "") for p, _, _ in phones][:4] == ["h", "@", "l", "oU"]
+    assert all(a < b for _, a, b in phones)
+    assert all(phones[k][2] == phones[k + 1][1] for k in range(len(phones) - 1))  # each ends where the next starts
+    assert abs(phones[0][1] - words[0][0]) < 0.03 and phones[-1][2] <= audio.size / SAMPLE_RATE + 1e-6
+    spoken = [p for p, _, _ in phones if phone_class(p) != 0]
+    assert spoken and all(phone_class(p) != PHONE_CLASSES - 1 for p in spoken)  # all in the table
+
+
 def test_hibari_reports_no_word_times(speaker):
     pytest.importorskip("hibari")
-    audio, times = speaker.speak_words("hello there", VoiceSpec("hibari"))
-    assert times is None and audio.size > SAMPLE_RATE // 4
+    audio, times, phones = speaker.speak_timed("hello there", VoiceSpec("hibari"))
+    assert times is None and phones is None and audio.size > SAMPLE_RATE // 4
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -83,3 +93,13 @@ def test_alignment_targets_place_pieces_inside_their_words():
 def test_alignment_targets_push_colliding_pieces_to_later_frames():
     out = alignment_targets([["▁x", "y", "z"]], [[(0.0, 0.1)]], [6], 0, [[1, 2, 3]])
     assert out[0].tolist() == [1, 2, 3, 0, 0, 0]
+
+
+def test_phone_targets_label_every_frame_by_the_phoneme_at_its_centre():
+    phones = [("h", 0.10, 0.20), ("'oU", 0.20, 0.44), ("_:", 0.44, 0.60), ("D", 0.60, 0.70)]
+    out = phone_targets([phones, None], [11, 4])
+    h, ou, d = phone_class("h"), phone_class("oU"), phone_class("D")
+    assert phone_class("'oU") == ou and phone_class("_:") == 0 and phone_class("zz") == PHONE_CLASSES - 1
+    # frame centres: 80 j - 30 ms -> -30, 50, 130, 210, 290, 370, 450, 530, 610, 690, 770
+    assert out[0].tolist() == [0, 0, h, ou, ou, ou, 0, 0, d, d, 0]
+    assert out[1].eq(-100).all()
