@@ -35,7 +35,7 @@ POOL = 4  # batches drawn together and sorted by length, so a batch pads little
 # steps of all voices at once left it there): sentences of at most CURRICULUM_WORDS words, a third of the
 # augmentation and no SpecAugment until CURRICULUM_STEPS; within that, steps EASY_STEPS[0]..[1] hear only
 # hibari and plain en-US espeak voices, so the acoustics are learnt before the voice variety.
-CURRICULUM_STEPS = 1200
+CURRICULUM_STEPS = 2400
 CURRICULUM_WORDS = 7
 EASY_STEPS = (0, 300)
 # Alignment loss: espeak reports where each word is (asr/train_data.py `word_times`), so each word's
