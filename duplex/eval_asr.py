@@ -9,7 +9,9 @@ Data:
 
 Per lookahead the streaming model is run as the server runs it (the `nemo-streaming` stage, audio in
 80 ms packets), so the time at which each word first appears in a partial transcript is measured
-against the end of that word in the final transcript (CTC timestamps): "first partial after spoken".
+against the time the word ended: "first partial after spoken". On the synthetic set that end is the
+synthesiser's (espeak-ng's word events), for each final word an edit alignment pairs with the same
+reference word; on `--data` sets it is the model's own CTC timestamp.
 Moonshine (the cpu profile's ASR) transcribes each utterance whole. Text is normalised the same way for
 every system (lower case, letters and apostrophes). Results: asr.json and asr.png in `--out`.
 """
@@ -37,6 +39,7 @@ class Utterance:
     text: str
     audio: np.ndarray
     voice: str = ""
+    word_ends: tuple[float, ...] | None = None  # when each reference word ends (s), where the synthesiser says
 
 
 def synthetic_set(n: int, augmented: bool, seed: int = 11) -> list[Utterance]:
@@ -47,7 +50,8 @@ def synthetic_set(n: int, augmented: bool, seed: int = 11) -> list[Utterance]:
     out = []
     for i in range(n):
         e = make_example(speaker, heldout, seed, i, heldout=True, clean=not augmented)
-        out.append(Utterance(f"heldout-{i}", e.text, e.audio, e.voice))
+        ends = tuple(b for _, b in e.word_times) if e.word_times else None
+        out.append(Utterance(f"heldout-{i}", e.text, e.audio, e.voice, ends))
     return out
 
 
@@ -88,8 +92,11 @@ def directory_set(root: Path, limit: int = 0) -> list[Utterance]:
     return [Utterance(uid, text, _read_audio(path)) for uid, path, text in pairs]
 
 
-def stream_utterance(stage: Any, audio: np.ndarray) -> tuple[str, list[float], float]:
-    """Final text, per-word delay (s) from the end of the word to its first appearance, compute seconds."""
+def stream_utterance(stage: Any, audio: np.ndarray, reference: str = "",
+                     word_ends: tuple[float, ...] | None = None) -> tuple[str, list[float], float]:
+    """Final text, per-word delay (s) from the end of the word to its first appearance in a partial, and
+    compute seconds. A word's end is the synthesiser's (`word_ends` of `reference`, for the final words
+    an edit alignment pairs with equal reference words) or else the model's own CTC timestamp."""
     from asr.moonshine import AsrChunk
 
     state = stage.init_state()
@@ -109,7 +116,15 @@ def stream_utterance(stage: Any, audio: np.ndarray) -> tuple[str, list[float], f
             first_seen.setdefault(i, arrived if not final else audio.size / SR)
         if final:
             break
-    delays = [first_seen[i] - w.end for i, w in enumerate(out.words) if i in first_seen]
+    if word_ends is not None:
+        from asr.train_data import normalize_text
+        from asr.wer import matched_words
+
+        hyp = [normalize_text(w.word) for w in out.words]
+        pairs = matched_words(normalize_text(reference).split(), hyp)
+        delays = [first_seen[h] - word_ends[r] for r, h in pairs if h in first_seen and r < len(word_ends)]
+    else:
+        delays = [first_seen[i] - w.end for i, w in enumerate(out.words) if i in first_seen]
     return out.text or "", delays, compute
 
 
@@ -186,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
             stage = NemoStreamingAsrStage(NemoStreamingModel(nemo_model, att_context_size=ctx))
             hyps, delays, compute = [], [], 0.0
             for u in _progress(utts, f"{name} lookahead {ctx[1] * frame_ms:g} ms", progress):
-                text, d, c = stream_utterance(stage, u.audio)
+                text, d, c = stream_utterance(stage, u.audio, u.text, u.word_ends)
                 hyps.append(text)
                 delays.extend(d)
                 compute += c
@@ -197,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
                 "first_partial_after_word_end_ms": {
                     "p50": round(1000 * float(np.percentile(delays, 50)), 1) if delays else None,
                     "p90": round(1000 * float(np.percentile(delays, 90)), 1) if delays else None,
-                    "n": len(delays), "bound_chunk_plus_lookahead_ms": stage.m.chunk_ms + la},
+                    "n": len(delays), "bound_chunk_plus_lookahead_ms": stage.m.chunk_ms + la,
+                    "word_end": "synthesiser" if all(u.word_ends for u in utts) else "model timestamps"},
                 "examples": [{"ref": r, "hyp": h} for r, h in list(zip(refs, hyps, strict=False))[:5]]}
             log.info("%s lookahead %g ms: WER %.3f", name, la, entry["streaming"][f"{la:g}"]["wer"])
         if moonshine is not None:

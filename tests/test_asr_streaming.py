@@ -224,3 +224,24 @@ def test_missing_shipped_model_says_how_to_get_one(tmp_path, monkeypatch):
         load_streaming_asr_stage(ComponentConfig("asr", "nemo-streaming", {"shipped": True}))
     with pytest.raises(ConfigError, match="weights need one of"):
         load_streaming_asr_stage(ComponentConfig("asr", "nemo-streaming", {}))
+
+
+def test_eval_asr_command_scores_each_lookahead_and_times_words_by_the_synthesiser(tiny, tmp_path):
+    pytest.importorskip("espeakng_loader")
+    import json
+
+    from duplex.cli import main as cli_main
+
+    path = tmp_path / "tiny.nemo"
+    tiny["ctc"].save_to(str(path))
+    out = tmp_path / "eval"
+    rc = cli_main(["eval", "asr", "--model", str(path), "-n", "3", "--lookaheads", "480,0", "--no-moonshine",
+                   "--no-progress", "--out", str(out)])
+    assert rc == 0 and (out / "asr.png").exists()
+    result = json.loads((out / "asr.json").read_text())
+    held = result["sets"]["heldout-voices"]
+    assert held["n"] == 3 and held["words"] >= 9 and set(held["streaming"]) == {"480", "0"}
+    for la, entry in held["streaming"].items():
+        assert entry["lookahead_ms"] == float(la) and entry["wer"] >= 0 and entry["rtf"] > 0
+        assert entry["first_partial_after_word_end_ms"]["word_end"] == "synthesiser"
+        assert len(entry["examples"]) == 3 and all(e["ref"] for e in entry["examples"])
