@@ -111,3 +111,69 @@ def espeak_voice() -> EspeakVoice:
         if _instance is None:
             _instance = EspeakVoice()
         return _instance
+
+
+class SynthesisCrash(ModelError):
+    """espeak-ng crashed (it segfaults on a few rare voice/pitch/text combinations, e.g. en-GB-scotland+rob
+    at pitch 31, range 90 saying "support the"); the isolated synthesiser has restarted."""
+
+
+def _serve(conn) -> None:  # noqa: ANN001 - multiprocessing connection
+    voice = EspeakVoice()
+    conn.send(voice.sample_rate)
+    while True:
+        try:
+            args = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", voice.synthesize_timed(*args)))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, which re-raises it
+            conn.send(("error", exc))
+
+
+class IsolatedEspeak:
+    """espeak-ng in a child process, so its rare segfaults cost one utterance, not the caller: a crash
+    raises `SynthesisCrash` and the next call starts a fresh child. Same interface as `EspeakVoice`."""
+
+    def __init__(self) -> None:
+        self._proc = None
+        self._conn = None
+        self.sample_rate = 22050
+        self._start()
+
+    def _start(self) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        self.sample_rate = parent.recv()
+
+    def synthesize_timed(self, text: str, voice: str = "en-US", rate: int = 175, pitch: int = 50,
+                         pitch_range: int = 50, word_gap: int = 0):  # noqa: ANN201 - as EspeakVoice's
+        try:
+            self._conn.send((text, voice, rate, pitch, pitch_range, word_gap))
+            status, value = self._conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            self._proc.join(timeout=1)
+            code = self._proc.exitcode
+            self._start()
+            raise SynthesisCrash(f"espeak-ng crashed (exit {code}) saying {text[:40]!r} as {voice} "
+                                 f"(rate {rate}, pitch {pitch}, range {pitch_range}); restarted") from None
+        if status == "error":
+            raise value
+        return value
+
+    def synthesize(self, text: str, voice: str = "en-US", rate: int = 175, pitch: int = 50,
+                   pitch_range: int = 50, word_gap: int = 0) -> np.ndarray:
+        return self.synthesize_timed(text, voice, rate, pitch, pitch_range, word_gap)[0]
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        if self._proc is not None:
+            self._proc.join(timeout=2)

@@ -103,3 +103,19 @@ def test_phone_targets_label_every_frame_by_the_phoneme_at_its_centre():
     # frame centres: 80 j - 30 ms -> -30, 50, 130, 210, 290, 370, 450, 530, 610, 690, 770
     assert out[0].tolist() == [0, 0, h, ou, ou, ou, 0, 0, d, d, 0]
     assert out[1].eq(-100).all()
+
+
+def test_an_espeak_crash_costs_one_utterance_not_the_process():
+    from asr.espeak_voice import IsolatedEspeak, SynthesisCrash
+
+    voice = IsolatedEspeak()
+    try:
+        # espeak-ng 1.52 (espeakng-loader 0.2.4) segfaults on exactly this; found by the training run
+        with pytest.raises(SynthesisCrash, match="crashed"):
+            voice.synthesize_timed("support the", "en-GB-scotland+rob", 175, 31, 90)
+        audio, words, phonemes = voice.synthesize_timed("support the", "en-US")
+        assert audio.size > 0.3 * voice.sample_rate and len(words) == 2 and phonemes
+        with pytest.raises(ValueError, match="no voice"):
+            voice.synthesize("hello", "xx-no-such-voice")
+    finally:
+        voice.close()
