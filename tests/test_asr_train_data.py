@@ -110,7 +110,7 @@ def test_an_espeak_crash_costs_one_utterance_not_the_process():
 
     voice = IsolatedEspeak()
     try:
-        # espeak-ng 1.52 (espeakng-loader 0.2.4) segfaults on exactly this; found by the training run
+        # the espeak-ng of espeakng-loader 0.2.4 segfaults on exactly this (found by a training run)
         with pytest.raises(SynthesisCrash, match="crashed"):
             voice.synthesize_timed("support the", "en-GB-scotland+rob", 175, 31, 90)
         audio, words, phonemes = voice.synthesize_timed("support the", "en-US")
