@@ -118,49 +118,76 @@ class SynthesisCrash(ModelError):
     at pitch 31, range 90 saying "support the"); the isolated synthesiser has restarted."""
 
 
-def _serve(conn) -> None:  # noqa: ANN001 - multiprocessing connection
+def _serve() -> None:
+    """The child's loop: pickled (text, voice, rate, pitch, range, word gap) in on stdin, pickled
+    ("ok", result) or ("error", exception) out on stdout, one length-prefixed frame each."""
+    import pickle
+    import struct
+    import sys
+
     voice = EspeakVoice()
-    conn.send(voice.sample_rate)
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+
+    def send(obj) -> None:  # noqa: ANN001
+        data = pickle.dumps(obj)
+        out.write(struct.pack("<I", len(data)) + data)
+        out.flush()
+
+    send(voice.sample_rate)
     while True:
-        try:
-            args = conn.recv()
-        except EOFError:
+        head = inp.read(4)
+        if len(head) < 4:
             return
+        args = pickle.loads(inp.read(struct.unpack("<I", head)[0]))
         try:
-            conn.send(("ok", voice.synthesize_timed(*args)))
+            send(("ok", voice.synthesize_timed(*args)))
         except Exception as exc:  # noqa: BLE001 - reported to the caller, which re-raises it
-            conn.send(("error", exc))
+            send(("error", exc))
 
 
 class IsolatedEspeak:
-    """espeak-ng in a child process, so its rare segfaults cost one utterance, not the caller: a crash
-    raises `SynthesisCrash` and the next call starts a fresh child. Same interface as `EspeakVoice`."""
+    """espeak-ng in a child process (`python -m asr.espeak_voice`), so its rare segfaults cost one
+    utterance, not the caller: a crash raises `SynthesisCrash` and the next call starts a fresh child.
+    A subprocess rather than multiprocessing, so it also works inside daemonic DataLoader workers."""
 
     def __init__(self) -> None:
         self._proc = None
-        self._conn = None
         self.sample_rate = 22050
         self._start()
 
     def _start(self) -> None:
-        import multiprocessing as mp
+        import os
+        import subprocess
+        import sys
+        from pathlib import Path
 
-        ctx = mp.get_context("fork")
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child,), daemon=True)
-        self._proc.start()
-        child.close()
-        self._conn = parent
-        self.sample_rate = parent.recv()
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        self._proc = subprocess.Popen([sys.executable, "-m", "asr.espeak_voice"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=env, cwd=root)
+        self.sample_rate = self._recv()
+
+    def _recv(self):  # noqa: ANN202
+        import pickle
+        import struct
+
+        head = self._proc.stdout.read(4)
+        if len(head) < 4:
+            raise EOFError
+        return pickle.loads(self._proc.stdout.read(struct.unpack("<I", head)[0]))
 
     def synthesize_timed(self, text: str, voice: str = "en-US", rate: int = 175, pitch: int = 50,
                          pitch_range: int = 50, word_gap: int = 0):  # noqa: ANN201 - as EspeakVoice's
+        import pickle
+        import struct
+
         try:
-            self._conn.send((text, voice, rate, pitch, pitch_range, word_gap))
-            status, value = self._conn.recv()
+            data = pickle.dumps((text, voice, rate, pitch, pitch_range, word_gap))
+            self._proc.stdin.write(struct.pack("<I", len(data)) + data)
+            self._proc.stdin.flush()
+            status, value = self._recv()
         except (EOFError, BrokenPipeError, ConnectionResetError):
-            self._proc.join(timeout=1)
-            code = self._proc.exitcode
+            code = self._proc.wait(timeout=5)
             self._start()
             raise SynthesisCrash(f"espeak-ng crashed (exit {code}) saying {text[:40]!r} as {voice} "
                                  f"(rate {rate}, pitch {pitch}, range {pitch_range}); restarted") from None
@@ -173,7 +200,11 @@ class IsolatedEspeak:
         return self.synthesize_timed(text, voice, rate, pitch, pitch_range, word_gap)[0]
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
         if self._proc is not None:
-            self._proc.join(timeout=2)
+            self._proc.stdin.close()
+            self._proc.wait(timeout=5)
+            self._proc = None
+
+
+if __name__ == "__main__":
+    _serve()
