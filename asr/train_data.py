@@ -279,9 +279,10 @@ def word_times(text: str, events: list[tuple[int, int, float]], audio: np.ndarra
     return out
 
 
-def _trim(audio: np.ndarray, threshold: float = 1e-3) -> np.ndarray:
+def _trim(audio: np.ndarray, threshold: float = 1e-3) -> tuple[np.ndarray, int]:
+    """`audio` without its leading and trailing near-silence, and the index of its first kept sample."""
     idx = np.flatnonzero(np.abs(audio) > threshold)
-    return audio[idx[0]: idx[-1] + 1] if idx.size else audio
+    return (audio[idx[0]: idx[-1] + 1], int(idx[0])) if idx.size else (audio, 0)
 
 
 def _colored_noise(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -305,8 +306,7 @@ def augment(audio: np.ndarray, rng: np.random.Generator, strength: float = 1.0) 
 def augment_timed(audio: np.ndarray, rng: np.random.Generator,
                   strength: float = 1.0) -> tuple[np.ndarray, float, float]:
     """`augment`, plus how it moved time: a moment t (s) of `audio` is at `offset + scale * t` in the result."""
-    trimmed = _trim(audio)
-    first = int(np.flatnonzero(np.abs(audio) > 1e-3)[0]) if trimmed.size != audio.size else 0
+    trimmed, first = _trim(audio)
     x = trimmed.astype(np.float64)
     scale = 1.0
     if rng.random() < 0.5 * strength:  # speed perturbation (changes pitch too), as Kaldi's 0.9/1.0/1.1
@@ -366,9 +366,9 @@ def make_example(speaker: Speaker, sentences: tuple[str, ...], seed: int, index:
     else:
         raise RuntimeError(f"espeak-ng crashed on 8 voices saying {sentence!r}")
     if clean:
-        loud = np.flatnonzero(np.abs(audio) > 1e-3)
-        offset, scale = 0.2 - (loud[0] / SAMPLE_RATE if loud.size else 0.0), 1.0
-        audio = np.concatenate([np.zeros(3200, np.float32), _trim(audio), np.zeros(4800, np.float32)])
+        trimmed, first = _trim(audio)
+        offset, scale = 0.2 - first / SAMPLE_RATE, 1.0
+        audio = np.concatenate([np.zeros(3200, np.float32), trimmed, np.zeros(4800, np.float32)])
         audio *= 0.5 / (np.max(np.abs(audio)) + 1e-9)
     else:
         audio, offset, scale = augment_timed(audio, rng, strength)
