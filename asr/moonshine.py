@@ -1,23 +1,25 @@
-"""Moonshine base-en (from `moonshine_cpp`) as a segment-level ASR stage.
+"""Moonshine base-en (the model files shipped in `moonshine_cpp`) as a segment-level ASR stage.
 
 Moonshine is not a streaming model: each transcription re-reads the whole open segment. The session
 asks for partials every `partial_interval_ms` and a final at end of turn; a new segment starts with
 a fresh `init_state()`.
+
+The package's own runtime (`libmoonshine.so`) is compiled for AVX-512 and dies with SIGILL on CPUs without
+it (AMD EPYC with AVX2 only, most laptops), so it is never loaded: its encoder/decoder `.ort` files and
+`tokenizer.bin` run here through PyPI's onnxruntime, which picks its kernels for the CPU it finds. Greedy
+decoding with the decoder's key/value cache, as libmoonshine does.
 """
 
 from __future__ import annotations
 
-import ctypes
-import queue
-import re
+import os
+import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
-from asr.vad import ModelError
+from asr.vad import ModelError, package_file
 from duplex.config import ComponentConfig, ConfigError
 from duplex.stage import SequentialBatchMixin
 
@@ -25,9 +27,13 @@ SAMPLE_RATE = 16000
 #: below ~1000 samples the encoder's convolutions get an empty input and onnxruntime *aborts the
 #: process* (an uncaught C++ exception), so anything shorter than 0.1 s is answered without the model
 MIN_SAMPLES = SAMPLE_RATE // 10
-PIP_HINT = "pip install moonshine-cpp==0.1.4"
-
-_SPACES = re.compile(r"\s+")
+PIP_NAME = "moonshine-cpp==0.1.4"
+MODEL_DIR = "models/base-en"
+#: Moonshine's decoder special tokens
+BOS, EOS, N_SPECIAL = 1, 2, 3
+#: greedy decoding stops after this many tokens per second of audio (speech runs at ~3-4 tokens/s)
+MAX_TOKENS_PER_SECOND = 6.0
+_SPACE_MARK = "\u2581"  # sentencepiece's word-start mark
 
 
 @dataclass(frozen=True)
@@ -64,76 +70,123 @@ class AsrState:
 
 def clean_text(text: str) -> str:
     """Strip and collapse whitespace."""
-    return _SPACES.sub(" ", text).strip()
+    return " ".join(text.split())
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> list[bytes]:
+    """Token id -> bytes from Moonshine's `tokenizer.bin`.
+
+    The file is the vocabulary in id order, each entry a length (one byte; two, little-endian base 128, when
+    the first has its top bit set) followed by that many bytes. Byte-fallback tokens are single raw bytes, so
+    joining a sequence's bytes and decoding UTF-8 once gives the text.
+    """
+    data = memoryview(open(path, "rb").read())
+    tokens: list[bytes] = []
+    i = 0
+    while i < len(data):
+        n = data[i]
+        i += 1
+        if n >= 0x80:
+            if i >= len(data):
+                raise ModelError(f"{path}: truncated length at byte {i}")
+            n = (n & 0x7F) | (data[i] << 7)
+            i += 1
+        if i + n > len(data):
+            raise ModelError(f"{path}: token {len(tokens)} runs past the end of the file")
+        tokens.append(bytes(data[i : i + n]))
+        i += n
+    if len(tokens) <= N_SPECIAL:
+        raise ModelError(f"{path}: only {len(tokens)} tokens")
+    return tokens
+
+
+def decode_tokens(tokens: list[bytes], ids: list[int]) -> str:
+    """Text of token ids (special and out-of-vocabulary ids are dropped)."""
+    raw = b"".join(tokens[i] for i in ids if N_SPECIAL <= i < len(tokens))
+    return clean_text(raw.decode("utf-8", errors="replace").replace(_SPACE_MARK, " "))
 
 
 class MoonshineModel:
-    """Loaded Moonshine handles, shareable by all sessions and executor threads.
+    """Moonshine base-en's encoder and decoder in onnxruntime, shared by all sessions and executor threads.
 
-    libmoonshine documents no thread safety and appears to have no locking of its own (it keeps models in
-    a global vector and each model owns its onnxruntime sessions), so each handle is used by one thread at a time:
-    `instances` handles form a pool. One handle is the right default on 2 cores because onnxruntime
-    inside libmoonshine already uses every core for one call (its thread count cannot be set via the C API).
-    Loading another model appends to that global vector, so build models at start-up, not while serving.
+    onnxruntime's `run()` is thread-safe, so one pair of sessions serves every thread; `instances` bounds how
+    many transcriptions run at once (more would only fight over the cores) and `threads` is each call's
+    intra-op thread count.
     """
 
-    def __init__(self, instances: int = 1) -> None:
-        try:
-            import moonshine_cpp
-        except ImportError:
-            raise ModelError(f"the Moonshine ASR needs moonshine-cpp: {PIP_HINT}") from None
-        except OSError as exc:  # its shared libraries failed to load
-            raise ModelError(
-                f"moonshine-cpp is installed but cannot load its libraries ({exc}); "
-                f"reinstall: {PIP_HINT} --force-reinstall"
-            ) from None
+    def __init__(self, instances: int = 1, threads: int = 2, package: str = "moonshine_cpp") -> None:
         if instances < 1:
             raise ConfigError("asr option 'instances' must be >= 1")
-        self._lib = moonshine_cpp.moonshine_lib
-        # the Python wrappers own the handles and free them when collected
+        if threads < 1:
+            raise ConfigError("asr option 'threads' must be >= 1")
         try:
-            self._models = [moonshine_cpp.MoonshineModel() for _ in range(instances)]
-        except (AssertionError, MemoryError) as exc:  # its way of saying the bundled model files are bad
+            import onnxruntime as ort
+        except ImportError:
+            raise ModelError("the Moonshine ASR needs onnxruntime: pip install 'onnxruntime>=1.18'") from None
+        pip_name = PIP_NAME if package == "moonshine_cpp" else package.replace("_", "-")
+        encoder = package_file(package, f"{MODEL_DIR}/encoder_model.ort", pip_name)
+        decoder = package_file(package, f"{MODEL_DIR}/decoder_model_merged.ort", pip_name)
+        self.tokens = load_tokenizer(package_file(package, f"{MODEL_DIR}/tokenizer.bin", pip_name))
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        try:
+            self._encoder = ort.InferenceSession(encoder, opts, providers=["CPUExecutionProvider"])
+            self._decoder = ort.InferenceSession(decoder, opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types for damaged files
             raise ModelError(
-                f"cannot load Moonshine base-en ({exc}); reinstall: {PIP_HINT} --force-reinstall"
+                f"cannot load Moonshine base-en from {os.path.dirname(encoder)} ({exc}); "
+                f"reinstall: pip install --force-reinstall {pip_name}"
             ) from None
-        self._pool: queue.Queue[int] = queue.Queue()
-        for model in self._models:
-            self._pool.put(model.model_handle)
+        past = [i for i in self._decoder.get_inputs() if i.name.startswith("past_key_values.")]
+        if not past or any(len(i.shape) != 4 for i in past):
+            raise ModelError(f"{decoder}: not a Moonshine merged decoder (no 4-D past_key_values inputs)")
+        self._past_shape = {i.name: (int(i.shape[1]), int(i.shape[3])) for i in past}  # heads, head size
+        self._past_names = list(self._past_shape)  # in the order the decoder returns `present.*`
+        self._slots = threading.BoundedSemaphore(instances)
+        self.threads = threads
         self.transcribe(np.zeros(SAMPLE_RATE, np.float32))  # warm-up: the first call is ~2x slower
-
-    @contextmanager
-    def _handle(self) -> Iterator[int]:
-        handle = self._pool.get()
-        try:
-            yield handle
-        finally:
-            self._pool.put(handle)
 
     def transcribe(self, audio: np.ndarray) -> str:
         """Transcript of 16 kHz mono float32 audio; '' for audio shorter than 0.1 s."""
         x = np.ascontiguousarray(audio, dtype=np.float32).reshape(-1)
         if x.size < MIN_SAMPLES:
             return ""
-        out = ctypes.c_char_p(0)
-        with self._handle() as handle:
-            # ctypes releases the GIL for the call, so other sessions' Python work goes on meanwhile
-            err = self._lib.moonshine_transcribe(
-                handle, x.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), x.size, ctypes.byref(out)
-            )
-        try:
-            if err != 0:
-                raise ModelError(f"moonshine_transcribe failed with error code {err}")
-            return clean_text((out.value or b"").decode("utf-8", errors="replace"))
-        finally:
-            if out.value is not None:
-                self._lib.moonshine_free_text(out)
+        with self._slots:  # onnxruntime releases the GIL inside run(), so other sessions' Python work goes on
+            return decode_tokens(self.tokens, self._greedy(x))
+
+    def _greedy(self, x: np.ndarray) -> list[int]:
+        hidden = self._encoder.run(None, {"input_values": x[None, :]})[0]
+        past = {
+            name: np.zeros((1, heads, 0, size), np.float32) for name, (heads, size) in self._past_shape.items()
+        }
+        ids: list[int] = []
+        token = BOS
+        for step in range(int(x.size / SAMPLE_RATE * MAX_TOKENS_PER_SECOND) + 1):
+            feed: dict[str, np.ndarray] = {
+                "input_ids": np.array([[token]], np.int64),
+                "encoder_hidden_states": hidden,
+                "use_cache_branch": np.array([step > 0]),
+                **past,
+            }
+            logits, *present = self._decoder.run(None, feed)
+            token = int(logits[0, -1].argmax())
+            if token == EOS:
+                break
+            ids.append(token)
+            for name, value in zip(self._past_names, present, strict=True):
+                # the cross-attention keys/values are computed once, on the first step, and then reused
+                if step == 0 or ".decoder." in name:
+                    past[name] = value
+        return ids
 
 
 class MoonshineAsrStage(SequentialBatchMixin[AsrState, AsrChunk, AsrOutput]):
     """Segment ASR stage: buffers the open segment, transcribes all of it on request.
 
-    libmoonshine has no batched call, so `step_batch` transcribes sessions in turn.
+    The encoder takes no padding mask, so segments of different lengths cannot share a call: `step_batch`
+    transcribes sessions in turn.
     """
 
     kind = "asr"
@@ -169,8 +222,8 @@ def load_asr_stage(cfg: ComponentConfig) -> MoonshineAsrStage:
     """Build the ASR stage from the models.yaml `asr` component (backend `moonshine`)."""
     if cfg.backend != "moonshine":
         raise ConfigError(f"component {cfg.name!r}: unknown ASR backend {cfg.backend!r} (known: moonshine)")
-    package = cfg.weights.get("package", "moonshine_cpp")
-    if package != "moonshine_cpp":
-        raise ConfigError(f"component {cfg.name!r}: the moonshine backend loads only package moonshine_cpp")
-    # `threads` in models.yaml is not settable through libmoonshine's C API; onnxruntime's default is used
-    return MoonshineAsrStage(MoonshineModel(instances=int(cfg.options.get("instances", 1))))
+    package = str(cfg.weights.get("package", "moonshine_cpp"))
+    model = MoonshineModel(
+        instances=int(cfg.options.get("instances", 1)), threads=int(cfg.options.get("threads", 2)), package=package
+    )
+    return MoonshineAsrStage(model)

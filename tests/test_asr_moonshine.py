@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +17,9 @@ from asr.moonshine import (
     MoonshineAsrStage,
     MoonshineModel,
     clean_text,
+    decode_tokens,
     load_asr_stage,
+    load_tokenizer,
 )
 from asr.vad import ModelError
 from duplex.config import ComponentConfig, ConfigError, load_profile
@@ -101,6 +104,28 @@ def test_missing_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "moonshine_cpp", None)  # makes `import moonshine_cpp` fail
     with pytest.raises(ModelError, match="pip install moonshine-cpp"):
         MoonshineModel()
+
+
+def test_never_loads_libmoonshine(stage: MoonshineAsrStage) -> None:
+    # libmoonshine.so is built for AVX-512 and dies with SIGILL elsewhere; only its model files are used
+    assert "moonshine_cpp" not in sys.modules
+    assert stage.model.threads == 2 and len(stage.model.tokens) == 32000
+
+
+def test_tokenizer_file_format(tmp_path: Path) -> None:
+    long_token = b"x" * 200  # lengths >= 128 take a second byte
+    entries = [b"<unk>", b"<s>", b"</s>", b"\xc3", b"\xa9", "\u2581caf".encode(), long_token, "\u2581ok".encode()]
+    blob = b"".join(
+        (bytes([len(e)]) if len(e) < 128 else bytes([0x80 | (len(e) & 0x7F), len(e) >> 7])) + e for e in entries
+    )
+    (tmp_path / "tok.bin").write_bytes(blob)
+    tokens = load_tokenizer(tmp_path / "tok.bin")
+    assert tokens == entries
+    # byte-fallback pieces join into one UTF-8 character; specials and unknown ids are dropped
+    assert decode_tokens(tokens, [1, 5, 3, 4, 7, 2, 999]) == "café ok"
+    (tmp_path / "bad.bin").write_bytes(blob[:-2])
+    with pytest.raises(ModelError, match="runs past the end"):
+        load_tokenizer(tmp_path / "bad.bin")
 
 
 def test_clean_text_and_config_errors() -> None:
