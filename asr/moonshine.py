@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from asr.ort_format import ort_to_onnx
 from asr.vad import ModelError, package_file
 from duplex.config import ComponentConfig, ConfigError
 from duplex.stage import SequentialBatchMixin
@@ -132,8 +133,15 @@ class MoonshineModel:
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
         try:
-            self._encoder = ort.InferenceSession(encoder, opts, providers=["CPUExecutionProvider"])
-            self._decoder = ort.InferenceSession(decoder, opts, providers=["CPUExecutionProvider"])
+            # as ONNX, not .ort: see asr/ort_format.py (constant folding of the dequantised weights, ~10x faster)
+            self._encoder = ort.InferenceSession(
+                ort_to_onnx(encoder).SerializeToString(), opts, providers=["CPUExecutionProvider"]
+            )
+            self._decoder = ort.InferenceSession(
+                ort_to_onnx(decoder).SerializeToString(), opts, providers=["CPUExecutionProvider"]
+            )
+        except ModelError as exc:
+            raise ModelError(f"{exc}; reinstall: pip install --force-reinstall {pip_name}") from None
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types for damaged files
             raise ModelError(
                 f"cannot load Moonshine base-en from {os.path.dirname(encoder)} ({exc}); "

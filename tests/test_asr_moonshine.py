@@ -112,6 +112,41 @@ def test_never_loads_libmoonshine(stage: MoonshineAsrStage) -> None:
     assert stage.model.threads == 2 and len(stage.model.tokens) == 32000
 
 
+def test_onnx_conversion_runs_like_the_ort_file(stage: MoonshineAsrStage, question: np.ndarray) -> None:
+    """The .ort files re-read as ONNX (asr/ort_format.py) compute what onnxruntime computes from the .ort itself."""
+    import onnxruntime as ort
+
+    from asr.vad import package_file
+
+    def ort_session(name: str) -> ort.InferenceSession:
+        path = package_file("moonshine_cpp", f"models/base-en/{name}.ort", "moonshine-cpp")
+        return ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+
+    x = question[None, :]
+    want = ort_session("encoder_model").run(None, {"input_values": x})[0]
+    got = stage.model._encoder.run(None, {"input_values": x})[0]
+    assert got.shape == want.shape and np.allclose(got, want, atol=1e-3), np.abs(got - want).max()
+    feed = {
+        "input_ids": np.array([[1]], np.int64),
+        "encoder_hidden_states": want,
+        "use_cache_branch": np.array([False]),
+        **{n: np.zeros((1, h, 0, d), np.float32) for n, (h, d) in stage.model._past_shape.items()},
+    }
+    want_out = ort_session("decoder_model_merged").run(None, feed)
+    got_out = stage.model._decoder.run(None, feed)
+    assert len(got_out) == len(want_out)
+    assert np.allclose(got_out[0], want_out[0], atol=1e-2), np.abs(got_out[0] - want_out[0]).max()
+    assert got_out[0][0, -1].argmax() == want_out[0][0, -1].argmax()
+
+
+def test_not_an_ort_file_is_a_clear_error(tmp_path: Path) -> None:
+    from asr.ort_format import ort_to_onnx
+
+    (tmp_path / "x.ort").write_bytes(b"\0" * 64)
+    with pytest.raises(ModelError, match="not an ORT-format model"):
+        ort_to_onnx(tmp_path / "x.ort")
+
+
 def test_tokenizer_file_format(tmp_path: Path) -> None:
     long_token = b"x" * 200  # lengths >= 128 take a second byte
     entries = [b"<unk>", b"<s>", b"</s>", b"\xc3", b"\xa9", "\u2581caf".encode(), long_token, "\u2581ok".encode()]
