@@ -2,6 +2,8 @@
 
     python -m asr.train_streaming --run runs/asr --minutes 90        # train (resumes from runs/asr/last.pt)
     python -m asr.train_streaming --run runs/asr --export            # write asr/weights/fc_small.nemo + .json
+    python -m asr.train_streaming --run runs/more --init asr/weights/fc_small.nemo --minutes 90
+                                    # go on from the shipped model in a fresh clone (fresh optimiser)
 
 Resumable: the run directory keeps the tokenizer, the last checkpoint (model, optimiser, step) and a log;
 example k of the training stream is a pure function of (seed, k) (asr/train_data.py), so a resumed run
@@ -12,6 +14,7 @@ random by the encoder (multi-lookahead training). Runs on CPU (2 threads here) o
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -225,9 +228,55 @@ def evaluate(model, examples: list, att_context_size: list[int]) -> float:
     return errors / max(words, 1)
 
 
-def lr_at(step: int, peak: float, warmup: int) -> float:
-    step = max(step, 1)
-    return peak * min(step / warmup, math.sqrt(warmup / step))
+def lr_at(step: int, peak: float, warmup: int, restart: int = 0) -> float:
+    """Linear warm-up to `peak`, then inverse square root; a run started from a shipped model at step
+    `restart` has a fresh optimiser, so its rate warms up again over RESTART_WARMUP steps."""
+    rate = peak * min(max(step, 1) / warmup, math.sqrt(warmup / max(step, 1)))
+    if restart:
+        rate *= min(1.0, max(step - restart, 1) / RESTART_WARMUP)
+    return rate
+
+
+RESTART_WARMUP = 100
+
+
+def init_run(nemo: Path, run: Path) -> dict:
+    """Seed an empty run directory from a shipped `.nemo` and the `.json` beside it: the tokenizer files,
+    a checkpoint with its weights and step (no optimiser state: the shipped file has none), and run.json.
+    The training stream then goes on from that step, so the examples are the ones the original run would
+    have seen next."""
+    import tarfile
+
+    info_path = nemo.with_suffix(".json")
+    if not nemo.is_file() or not info_path.is_file():
+        raise SystemExit(f"--init needs {nemo} and {info_path} (written together by --export)")
+    info = json.loads(info_path.read_text())
+    tok_dir = run / "tokenizer"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    state = None
+    with tarfile.open(nemo) as tar:
+        for member in tar.getmembers():
+            name = Path(member.name).name
+            data = tar.extractfile(member) if member.isfile() else None
+            if data is None:
+                continue
+            # NeMo stores artefacts as <hash>_<name>
+            for wanted in ("tokenizer.model", "tokenizer.vocab", "vocab.txt"):
+                if name.endswith("_" + wanted) or name == wanted:
+                    (tok_dir / wanted).write_bytes(data.read())
+            if name == "model_weights.ckpt":
+                state = torch.load(io.BytesIO(data.read()), map_location="cpu", weights_only=True)
+    if state is None or not (tok_dir / "tokenizer.model").exists():
+        raise SystemExit(f"{nemo} has no model_weights.ckpt or tokenizer.model")
+    step = int(info["step"])
+    meta = {k: info[k] for k in ("d_model", "layers", "vocab", "seed", "batch_size")}
+    last = info.get("last_validation")
+    meta.update(audio_s=float(info.get("audio_s", 0.0)), history=[last] if last else [], restart_step=step,
+                init_from=str(nemo))
+    (run / "run.json").write_text(json.dumps(meta, indent=1))
+    torch.save({"model": state, "step": step}, run / "last.pt")
+    print(f"initialised {run} from {nemo} at step {step} (fresh optimiser)", flush=True)
+    return meta
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=200, help="checkpoint and validate every N steps")
     ap.add_argument("--export", nargs="?", const=str(SHIPPED), default=None,
                     help="write the run's model as a .nemo (default asr/weights/fc_small.nemo) and exit")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start a new run from a shipped .nemo and its .json (e.g. asr/weights/fc_small.nemo)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -255,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     run = Path(args.run)
     run.mkdir(parents=True, exist_ok=True)
     tok_dir = run / "tokenizer"
+    if args.init is not None:
+        if (run / "last.pt").exists():
+            print(f"{run} already has a checkpoint: resuming it, --init ignored", flush=True)
+        else:
+            init_run(args.init, run)
     if not (tok_dir / "tokenizer.model").exists():
         train, _ = corpus()
         train_tokenizer([normalize_text(s) for s in train], tok_dir, args.vocab)
@@ -275,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
         model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["opt"])
+        if "opt" in ckpt:  # absent right after --init
+            opt.load_state_dict(ckpt["opt"])
         if "phone_head" in ckpt:  # runs from before the phone loss start it fresh
             phone_head.load_state_dict(ckpt["phone_head"])
             phone_opt.load_state_dict(ckpt["phone_opt"])
@@ -327,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         if stop["asked"] or time.monotonic() > deadline or (args.steps and step >= args.steps):
             break
         for group in opt.param_groups + phone_opt.param_groups:
-            group["lr"] = lr_at(step + 1, args.lr, args.warmup)
+            group["lr"] = lr_at(step + 1, args.lr, args.warmup, meta.get("restart_step", 0))
         model.spec_augmentation = spec_augment if step >= CURRICULUM_STEPS else None
         tokens = [model.tokenizer.text_to_ids(t) for t in texts]
         targets = torch.zeros(len(tokens), max(len(t) for t in tokens), dtype=torch.long)

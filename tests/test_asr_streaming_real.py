@@ -92,3 +92,26 @@ def test_session_core_on_the_streaming_asr_transcribes_while_the_user_speaks(sta
     partial_times = [t.t for t in result.outputs if getattr(t.item, "type", "") == "transcript.partial"]
     assert partial_times and min(partial_times) < speech_end - 0.5, "no partial transcript while the user spoke"
     assert result.events("response.done")[0].text == "paris is the capital of france"
+
+
+def test_training_goes_on_from_the_shipped_model(tmp_path):
+    """`--init` seeds a run from the shipped .nemo: same tokenizer and weights, its step, fresh optimiser."""
+    import json
+
+    import torch
+
+    from asr.streaming_model import build_model, model_config
+    from asr.train_streaming import RESTART_WARMUP, init_run, lr_at
+
+    meta = init_run(SHIPPED, tmp_path)
+    info = json.loads(SHIPPED.with_suffix(".json").read_text())
+    ckpt = torch.load(tmp_path / "last.pt", weights_only=False)
+    assert ckpt["step"] == info["step"] == meta["restart_step"] and "opt" not in ckpt
+    assert {p.name for p in (tmp_path / "tokenizer").iterdir()} >= {"tokenizer.model", "vocab.txt"}
+    model = build_model(model_config(tmp_path / "tokenizer", d_model=meta["d_model"], n_layers=meta["layers"]))
+    model.load_state_dict(ckpt["model"])  # strict: every tensor of the shipped model, nothing missing
+    assert model.tokenizer.vocab_size == info["vocab"]
+    # the learning rate warms up again from the restart step and then follows the original schedule
+    step = info["step"]
+    assert lr_at(step + 1, 2e-3, 400, step) < lr_at(step + RESTART_WARMUP, 2e-3, 400, step)
+    assert lr_at(step + RESTART_WARMUP, 2e-3, 400, step) == lr_at(step + RESTART_WARMUP, 2e-3, 400)
