@@ -133,7 +133,7 @@ class MoonshineModel:
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
         try:
-            # as ONNX, not .ort: see asr/ort_format.py (constant folding of the dequantised weights, ~10x faster)
+            # as ONNX, not .ort: see asr/ort_format.py (the dequantised weights are folded once: ~3x faster)
             self._encoder = ort.InferenceSession(
                 ort_to_onnx(encoder).SerializeToString(), opts, providers=["CPUExecutionProvider"]
             )
@@ -151,7 +151,10 @@ class MoonshineModel:
         if not past or any(len(i.shape) != 4 for i in past):
             raise ModelError(f"{decoder}: not a Moonshine merged decoder (no 4-D past_key_values inputs)")
         self._past_shape = {i.name: (int(i.shape[1]), int(i.shape[3])) for i in past}  # heads, head size
-        self._past_names = list(self._past_shape)  # in the order the decoder returns `present.*`
+        # the decoder returns `present.<layer>.<attention>.<key|value>` for each `past_key_values.<same>`
+        self._past_names = [o.name.replace("present.", "past_key_values.", 1) for o in self._decoder.get_outputs()[1:]]
+        if sorted(self._past_names) != sorted(self._past_shape):
+            raise ModelError(f"{decoder}: its present.* outputs do not match its past_key_values.* inputs")
         self._slots = threading.BoundedSemaphore(instances)
         self.threads = threads
         self.transcribe(np.zeros(SAMPLE_RATE, np.float32))  # warm-up: the first call is ~2x slower
