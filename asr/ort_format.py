@@ -131,10 +131,9 @@ def _graph(g: Any, fbs: Any, name: str) -> onnx.GraphProto:
     out.initializer.extend(_tensor(g.Initializers(i)) for i in range(g.InitializersLength()))
     if g.SparseInitializersLength():
         raise ModelError("sparse initializers are not carried over")
-    for names, field in ((g.Inputs, out.input), (g.Outputs, out.output)):
-        count = g.InputsLength() if field is out.input else g.OutputsLength()
+    for name_at, count, field in ((g.Inputs, g.InputsLength(), out.input), (g.Outputs, g.OutputsLength(), out.output)):
         for i in range(count):
-            value_name = _str(names(i))
+            value_name = _str(name_at(i))
             info = field.add()
             info.name = value_name
             arg = infos.get(value_name)
