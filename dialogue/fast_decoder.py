@@ -1,0 +1,234 @@
+"""A lean forward pass for Llama / Qwen2 decoders, for the session KV caches of the dialogue engine.
+
+Decoding one token of SmolLM2-135M through `transformers` costs ~20 ms here, of which the matrix
+products are ~7 ms: the rest is Python around them (module calls, mask and cache bookkeeping, and
+seven separate int8 products per layer, each quantising the same activation again). `FastDecoder`
+runs the same arithmetic with the model's own weights in a plain loop:
+
+* q/k/v and gate/up of a dynamically quantised int8 model become one product each (the packed
+  per-channel int8 weights are concatenated, so each output channel keeps its own scale; the
+  activation is quantised once per tensor from the same input, so every output is bit-identical
+  to the separate products). The model's `q_proj`/`k_proj`/`v_proj`/`gate_proj`/`up_proj` become
+  slices of the fused product, so the weights are held once and the `transformers` forward still
+  gives the same numbers (it is slower: it computes the fused product once per slice);
+* RMSNorm, RoPE (the model's own `rotary_emb`, scaling included), grouped-query attention through
+  `scaled_dot_product_attention`, the SiLU MLP and the final norm are written out as
+  `transformers` writes them, and keys/values go into the same `DynamicCache` layers.
+
+The result equals `model.model(...).last_hidden_state` exactly on the models it accepts
+(`tests/test_fast_decoder.py`); `FastDecoder.supports(model)` says which: Llama and Qwen2 with SiLU
+MLPs, full attention and no tensor-parallel split. Anything else uses the `transformers` forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["FastDecoder", "unsupported_reason"]
+
+_FAMILIES = ("llama", "qwen2")
+_ATTR = "_duplex_fast_decoder"
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why `FastDecoder` cannot run `model` (None: it can)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in _FAMILIES:
+        return f"model type {getattr(cfg, 'model_type', None)!r} is not one of {_FAMILIES}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r}"
+    if int(getattr(cfg, "pretraining_tp", 1) or 1) != 1:
+        return "pretraining_tp > 1"
+    if getattr(cfg, "use_sliding_window", False):
+        return "sliding-window attention"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "no decoder stack with rotary embeddings"
+    return None
+
+
+# -- linear layers ------------------------------------------------------------------------------
+
+
+def _is_dynamic_int8(mod: nn.Module) -> bool:
+    packed = getattr(mod, "_packed_params", None)
+    return packed is not None and getattr(packed, "dtype", None) == torch.qint8
+
+
+def _linear_fn(mod: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A direct call of `mod`'s arithmetic (skips the module machinery where it is safe to)."""
+    if _is_dynamic_int8(mod):
+        packed = mod._packed_params._packed_params
+        reduce_range = not (getattr(mod, "version", None) is None or mod.version < 4)
+
+        def dyn(x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=reduce_range).to(x.dtype)
+
+        return dyn
+    if type(mod) is nn.Linear:
+        w, b = mod.weight, mod.bias
+        return lambda x: F.linear(x, w, b)
+    return mod  # any other module (the int8 weight-only down_proj): its own forward
+
+
+def _fuse_dynamic_int8(mods: Sequence[nn.Module]) -> nn.Module:
+    """One dynamic int8 Linear whose output is the concatenation of `mods`' outputs, bit for bit."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynLinear
+
+    weights, biases, scales, zeros = [], [], [], []
+    for m in mods:
+        w, b = torch.ops.quantized.linear_unpack(m._packed_params._packed_params)
+        if w.qscheme() not in (torch.per_channel_affine, torch.per_channel_symmetric):
+            raise ValueError(f"cannot fuse {w.qscheme()} weights")
+        weights.append(w.int_repr())
+        scales.append(w.q_per_channel_scales())
+        zeros.append(w.q_per_channel_zero_points())
+        biases.append(b if b is not None else torch.zeros(w.shape[0]))
+    has_bias = any(torch.ops.quantized.linear_unpack(m._packed_params._packed_params)[1] is not None for m in mods)
+    qw = torch._make_per_channel_quantized_tensor(torch.cat(weights), torch.cat(scales).double(),
+                                                  torch.cat(zeros).long(), 0)
+    fused = DynLinear(qw.shape[1], qw.shape[0], bias_=has_bias, dtype=torch.qint8)
+    fused.set_weight_bias(qw, torch.cat(biases).float() if has_bias else None)
+    versions = {getattr(m, "version", None) for m in mods}
+    if len(versions) != 1:
+        raise ValueError("cannot fuse dynamic int8 layers of different versions")
+    fused.version = versions.pop()
+    return fused
+
+
+class FusedPart(nn.Module):
+    """Columns [start, stop) of a fused product: stands in for one of the layers that were fused."""
+
+    def __init__(self, fused: nn.Module, start: int, stop: int) -> None:
+        super().__init__()
+        self.fused = fused
+        self.start, self.stop = start, stop
+        self.in_features = getattr(fused, "in_features", None)
+        self.out_features = stop - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start : self.stop]
+
+
+def _fuse(parent: nn.Module, names: Sequence[str]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Fuse `parent`'s int8 layers `names` into one product (replacing them by `FusedPart`s)."""
+    mods = [getattr(parent, n) for n in names]
+    if all(isinstance(m, FusedPart) for m in mods) and len({id(m.fused) for m in mods}) == 1:
+        return _linear_fn(mods[0].fused)  # fused already (a second decoder over the same model)
+    if not all(_is_dynamic_int8(m) for m in mods):
+        return None
+    fused = _fuse_dynamic_int8(mods)
+    start = 0
+    for n, m in zip(names, mods, strict=True):
+        size = int(m.weight().shape[0])
+        setattr(parent, n, FusedPart(fused, start, start + size))
+        start += size
+    return _linear_fn(fused)
+
+
+# -- the decoder ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Layer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Callable[[torch.Tensor], torch.Tensor] | None
+    q: Callable[[torch.Tensor], torch.Tensor]
+    k: Callable[[torch.Tensor], torch.Tensor]
+    v: Callable[[torch.Tensor], torch.Tensor]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor] | None
+    gate: Callable[[torch.Tensor], torch.Tensor]
+    up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+
+
+class FastDecoder:
+    """`model.model(ids, cache)` without the framework around it; see the module docstring."""
+
+    def __init__(self, model: Any) -> None:
+        why = unsupported_reason(model)
+        if why is not None:
+            raise ValueError(f"FastDecoder: unsupported model ({why})")
+        cfg = model.config
+        self.model = model
+        self.inner = model.model
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.eps = float(cfg.rms_norm_eps)
+        self.scaling = self.head_dim**-0.5
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+        self.layers: list[_Layer] = []
+        for layer in self.inner.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv = _fuse(a, ("q_proj", "k_proj", "v_proj"))
+            gate_up = _fuse(mlp, ("gate_proj", "up_proj"))
+            self.layers.append(_Layer(
+                in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                qkv=qkv, q=_linear_fn(a.q_proj), k=_linear_fn(a.k_proj), v=_linear_fn(a.v_proj),
+                o=_linear_fn(a.o_proj), gate_up=gate_up, gate=_linear_fn(mlp.gate_proj),
+                up=_linear_fn(mlp.up_proj), down=_linear_fn(mlp.down_proj)))
+        self.final_norm = self.inner.norm.weight
+        self.final_eps = float(getattr(self.inner.norm, "variance_epsilon", self.eps))
+
+    @classmethod
+    def for_model(cls, model: Any) -> FastDecoder | None:
+        """The model's decoder (built once and kept on the model), or None if it is not supported."""
+        if unsupported_reason(model) is not None:
+            return None
+        dec = getattr(model, _ATTR, None)
+        if dec is None:
+            dec = cls(model)
+            setattr(model, _ATTR, dec)
+        return dec
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        # transformers' RMSNorm: in float32, then the weight times the input dtype
+        x32 = x.to(torch.float32)
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return w * y.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def forward(self, cache: Any, ids: Sequence[int], start: int) -> torch.Tensor:
+        """Run `ids` at positions start.. after the `DynamicCache` (extended in place); the final-norm
+        hidden states [1, len(ids), hidden]."""
+        n = len(ids)
+        device = self.final_norm.device
+        x = self.inner.embed_tokens(torch.tensor([list(ids)], dtype=torch.long, device=device))
+        positions = torch.arange(start, start + n, device=device)
+        cos, sin = self.inner.rotary_emb(x, positions[None])
+        cos, sin = cos[:, None], sin[:, None]
+        mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start) if n > 1 else None
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        for i, ly in enumerate(self.layers):
+            h = self._norm(x, ly.in_norm, self.eps)
+            if ly.qkv is not None:
+                q, k, v = ly.qkv(h).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            else:
+                q, k, v = ly.q(h), ly.k(h), ly.v(h)
+            q = self._rope(q.view(1, n, nh, hd).transpose(1, 2), cos, sin)
+            k = self._rope(k.view(1, n, nkv, hd).transpose(1, 2), cos, sin)
+            v = v.view(1, n, nkv, hd).transpose(1, 2)
+            keys, values = cache.layers[i].update(k, v)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
+                                               enable_gqa=nkv != nh)
+            x = x + ly.o(o.transpose(1, 2).reshape(1, n, nh * hd))
+            h = self._norm(x, ly.post_norm, self.eps)
+            if ly.gate_up is not None:
+                g, u = ly.gate_up(h).chunk(2, dim=-1)
+            else:
+                g, u = ly.gate(h), ly.up(h)
+            x = x + ly.down(F.silu(g) * u)
+        return self._norm(x, self.final_norm, self.final_eps)

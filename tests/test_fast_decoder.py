@@ -1,0 +1,100 @@
+"""FastDecoder (dialogue/fast_decoder.py): the lean forward equals the transformers forward.
+
+Tiny seeded Llama and Qwen2 decoders (tests/test_kv_cache.py's), in float32, bfloat16 and the
+service's SmoothQuant int8; the fused int8 products must be bit-identical to the separate ones,
+and the model's own forward must still give the same numbers after fusing.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from dialogue.fast_decoder import FastDecoder, FusedPart, unsupported_reason
+from dialogue.kv_cache import CachedLM
+from dialogue.llm_weights import quantize_int8_dynamic
+from tests.test_kv_cache import VOCAB, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def hf_hidden(model: PreTrainedModel, cache: DynamicCache, ids: list[int], start: int) -> torch.Tensor:
+    pos = torch.arange(start, start + len(ids))
+    out = model.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
+                      cache_position=pos, position_ids=pos[None])
+    return out.last_hidden_state
+
+
+def variant(arch: str, dtype: str) -> PreTrainedModel:
+    m = tiny_model(arch, seed=3, layers=3)
+    if dtype == "bfloat16":
+        return m.to(torch.bfloat16)
+    if dtype == "int8-dynamic":
+        return quantize_int8_dynamic(m)
+    return m
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8-dynamic"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fast_forward_equals_the_transformers_forward(arch: str, dtype: str) -> None:
+    ref = variant(arch, dtype)
+    fast_model = copy.deepcopy(ref)
+    dec = FastDecoder(fast_model)
+    g = torch.Generator().manual_seed(1)
+    chunks = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (17, 1, 1, 5, 1, 9, 1)]
+    c_ref, c_fast = DynamicCache(config=ref.config), DynamicCache(config=ref.config)
+    start = 0
+    with torch.inference_mode():
+        for ids in chunks:  # a prefill, decode steps and more prefills after them, as a session does
+            a = hf_hidden(ref, c_ref, ids, start)
+            b = dec.forward(c_fast, ids, start)
+            assert torch.equal(a, b), (arch, dtype, len(ids), (a.float() - b.float()).abs().max())
+            start += len(ids)
+        for la, lb in zip(c_ref.layers, c_fast.layers, strict=True):
+            assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_int8_products_keep_the_model_forward_exact(arch: str) -> None:
+    m = variant(arch, "int8-dynamic")
+    ids = list(range(3, 40))
+    with torch.inference_mode():
+        before = hf_hidden(m, DynamicCache(config=m.config), ids, 0)
+        FastDecoder.for_model(m)
+        layer = m.model.layers[0]
+        assert isinstance(layer.self_attn.q_proj, FusedPart) and isinstance(layer.mlp.up_proj, FusedPart)
+        assert layer.self_attn.q_proj.fused is layer.self_attn.v_proj.fused  # held once
+        after = hf_hidden(m, DynamicCache(config=m.config), ids, 0)
+    assert torch.equal(before, after)
+    # a second decoder over the same model reuses the fused layers (no second copy, no error)
+    assert FastDecoder.for_model(m) is FastDecoder.for_model(m)
+    again = FastDecoder(m)
+    with torch.inference_mode():
+        assert torch.equal(again.forward(DynamicCache(config=m.config), ids, 0), before)
+
+
+def test_cached_lm_uses_it_and_can_do_without() -> None:
+    m = tiny_model("qwen2", seed=5)
+    fast, plain = CachedLM(m, sink_tokens=2, window_tokens=64), CachedLM(m, sink_tokens=2, window_tokens=64, fast=False)
+    assert fast.fast is not None and plain.fast is None
+    a, b = fast.new(), plain.new()
+    for ids in ([5, 6, 7, 8, 9], [10], [11, 12]):
+        ra, rb = fast.feed(a, ids), plain.feed(b, ids)
+        assert torch.equal(ra.logits, rb.logits) and torch.equal(ra.hidden, rb.hidden)
+
+
+def test_unsupported_models_are_named() -> None:
+    m = tiny_model("llama")
+    assert unsupported_reason(m) is None
+    odd = copy.deepcopy(m)
+    odd.config.hidden_act = "gelu"
+    assert "hidden_act" in unsupported_reason(odd)
+    assert FastDecoder.for_model(odd) is None
+    with pytest.raises(ValueError, match="unsupported"):
+        FastDecoder(odd)
