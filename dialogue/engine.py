@@ -63,6 +63,9 @@ class DrafterOptions:
     relay: bool = True
     draft_words: int = 5
     draft_tokens: int = 12
+    #: layers kept + LoRA deltas over the base weights (dialogue/drafter_adapter.py): "shipped" = the
+    #: distilled drafter in dialogue/weights, a path, or null for the stock model
+    adapter: str | None = None
     #: turn-taking heads and relay verifier weights; "shipped" = the files in dialogue/weights
     heads: str = "shipped"
     verifier: str = "shipped"
@@ -468,12 +471,18 @@ def load_dialogue_stage(llm: ComponentConfig, drafter: ComponentConfig | None, p
         if drafter.backend not in ("transformers-gguf", "transformers"):
             raise ConfigError(f"drafter: backend {drafter.backend!r} is not one of transformers-gguf, transformers")
         d_opts = DrafterOptions.from_mapping(drafter.options)
-        d_model, d_tok = llm_weights.load(drafter.weights, d_opts.dtype, progress=progress)
+        from dialogue.drafter_adapter import adapter_path, check_trained_with, load_drafter
         from dialogue.turn_taking import load_turn_heads
         from dialogue.verifier import load_verifier
 
-        heads, policy, _ = load_turn_heads(None if d_opts.heads == "shipped" else _path(d_opts.heads))
-        verifier, threshold, _ = load_verifier(None if d_opts.verifier == "shipped" else _path(d_opts.verifier))
+        adapter = adapter_path(d_opts.adapter)
+        heads, policy, heads_meta = load_turn_heads(None if d_opts.heads == "shipped" else _path(d_opts.heads))
+        verifier, threshold, verifier_meta = load_verifier(
+            None if d_opts.verifier == "shipped" else _path(d_opts.verifier))
+        # both read the drafter's hidden states: a mismatch would give confident nonsense, so refuse it
+        check_trained_with("the turn-taking heads", heads_meta, adapter)
+        check_trained_with("the relay verifier", verifier_meta, adapter)
+        d_model, d_tok = load_drafter(drafter.weights, d_opts.dtype, adapter, progress=progress)
         if d_opts.verifier_threshold is not None:
             threshold = float(d_opts.verifier_threshold)
     return DialogueStage(slow_model, slow_tok, slow_options, d_model, d_tok, d_opts, heads, policy, verifier,

@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -429,9 +429,14 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load(
-    cfg: Any, dtype: str | torch.dtype = "float32", progress: bool = True
+    cfg: Any, dtype: str | torch.dtype = "float32", progress: bool = True,
+    before_quantize: Callable[[PreTrainedModel], Any] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Prepare the weights if needed and load (model in eval mode, tokenizer)."""
+    """Prepare the weights if needed and load (model in eval mode, tokenizer).
+
+    `before_quantize(model)`, if given, edits the float32 model in place (the drafter's adapter)
+    before it is cast or quantised to `dtype`."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     w = LlmWeights.from_config(cfg)
@@ -439,7 +444,7 @@ def load(
     tdtype = _torch_dtype(dtype)
     try:
         tok = AutoTokenizer.from_pretrained(str(d))
-        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=tdtype)
+        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=tdtype if before_quantize is None else torch.float32)
     except Exception as exc:  # a damaged cache fails in many ways inside transformers
         if w.kind == "path":
             raise ModelError(f"LLM weights {w.name}: could not load {d}: {exc}") from exc
@@ -448,6 +453,11 @@ def load(
             f"Delete it and it will be rebuilt on the next start:\n  rm -rf {d}"
         ) from exc
     model.eval()
+    if before_quantize is not None:
+        model = model.float()
+        before_quantize(model)
+        if tdtype != torch.float32:
+            model = model.to(tdtype)
     if dtype == "int8-dynamic":
         model = quantize_int8_dynamic(model, tok)
     return model, tok

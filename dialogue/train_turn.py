@@ -516,6 +516,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=TrainConfig.epochs)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-engine-check", action="store_true", help="skip the held-out run with sliced prefill")
+    ap.add_argument("--adapter", default="shipped",
+                    help="drafter adapter the heads read: shipped (dialogue/weights), a path, or none")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     progress = not args.no_progress
@@ -531,11 +533,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = {k: D.summarize(v)["labels"] for k, v in splits.items()}
     print(f"examples: {json.dumps(sizes)}", file=sys.stderr)
 
-    from dialogue import llm_weights
+    from dialogue.drafter_adapter import adapter_path, adapter_sha256, load_drafter
 
-    model, tok = llm_weights.load(D.DRAFTER, DTYPE, progress=progress)
+    adapter = adapter_path(args.adapter)
+    adapter_sha = adapter_sha256(adapter)
+    model, tok = load_drafter(D.DRAFTER, DTYPE, adapter, progress=progress)
     system = system_prompt()
-    store = FeatureStore(features_dir(), D.DRAFTER["sha256"])
+    drafter_id = D.DRAFTER["sha256"] if adapter_sha is None else \
+        hashlib.sha256(f"{D.DRAFTER['sha256']}+{adapter_sha}".encode()).hexdigest()
+    store = FeatureStore(features_dir(), drafter_id)
     feats: dict[str, torch.Tensor] = {}
     ys: dict[str, torch.Tensor] = {}
     rows: dict[str, list[dict[str, Any]]] = {}
@@ -597,7 +603,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "(session rule: p_bc >= threshold and p_bc >= p_listen, when not speaking)",
             "interrupt": "best balanced accuracy on validation",
         },
-        "drafter": {k: D.DRAFTER[k] for k in ("name", "package", "file", "version", "sha256")} | {"dtype": DTYPE},
+        "drafter": {k: D.DRAFTER[k] for k in ("name", "package", "file", "version", "sha256")}
+        | {"dtype": DTYPE, "adapter_sha256": adapter_sha, "adapter": None if adapter is None else adapter.name},
         "input": {
             "text": "normalize_user_text (strip . , ! ? ; : \" and collapse spaces; case and apostrophes kept)",
             "prompt": "render_user_prefix: chat template of system + history + user text, trailing <|im_end|>\\n cut",

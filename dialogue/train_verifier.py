@@ -408,14 +408,15 @@ class Models:
     slow_weights: dict[str, Any] = field(default_factory=dict)
 
 
-def load_models(progress: bool = True) -> Models:
-    """Load the drafter (SmolLM2-135M) and the service's LLM (models.yaml `llm`), both int8."""
+def load_models(progress: bool = True, adapter: Path | None = None) -> Models:
+    """Load the drafter (SmolLM2-135M, with `adapter` merged) and the service's LLM (models.yaml `llm`), both int8."""
     from dialogue import llm_weights
+    from dialogue.drafter_adapter import load_drafter
     from duplex.config import load_profile
 
     llm = load_profile().component("llm")
     system = str(llm.options.get("system_prompt", "")).strip()
-    dm, dtok = llm_weights.load(DRAFTER, DTYPE, progress=progress)
+    dm, dtok = load_drafter(DRAFTER, DTYPE, adapter, progress=progress)
     sm, stok = llm_weights.load(llm, DTYPE, progress=progress)
     slow_w = dict(llm.weights)
     return Models(
@@ -533,17 +534,20 @@ def features_dir() -> Path:
     return cache_root() / "verifier_features"
 
 
-def example_key(p: Prompt, system: str, slow_name: str) -> str:
+def example_key(p: Prompt, system: str, slow_name: str, adapter_sha: str | None = None) -> str:
     """Cache key of a prompt's features: everything that changes them."""
     ident = [FEATURE_VERSION, DRAFTER["sha256"], slow_name, DTYPE, system, list(p.history), p.text,
              V.MAX_DRAFT_WORDS, V.MAX_DRAFT_TOKENS]
+    if adapter_sha is not None:
+        ident.append(adapter_sha)
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:24]
 
 
-def build_dataset(prompts: Sequence[Prompt], progress: bool = True) -> list[dict[str, Any]]:
+def build_dataset(prompts: Sequence[Prompt], progress: bool = True, adapter: Path | None = None) -> list[dict[str, Any]]:
     """Features of every prompt: cached ones are read, the rest computed (models loaded lazily)."""
     from tqdm import tqdm
 
+    from dialogue.drafter_adapter import adapter_sha256
     from duplex.config import load_profile
 
     llm = load_profile().component("llm")
@@ -551,11 +555,12 @@ def build_dataset(prompts: Sequence[Prompt], progress: bool = True) -> list[dict
     slow_name = str(dict(llm.weights).get("name", "llm"))
     root = features_dir()
     root.mkdir(parents=True, exist_ok=True)
-    keyed = [(p, root / f"{example_key(p, system, slow_name)}.pt") for p in prompts]
+    adapter_sha = adapter_sha256(adapter)
+    keyed = [(p, root / f"{example_key(p, system, slow_name, adapter_sha)}.pt") for p in prompts]
     todo = [(p, f) for p, f in keyed if not f.is_file()]
     print(f"features: {len(keyed) - len(todo)} cached in {root}, {len(todo)} to build", file=sys.stderr)
     if todo:
-        models = load_models(progress=progress)
+        models = load_models(progress=progress, adapter=adapter)
         for p, f in tqdm(todo, desc="drafting + scoring", disable=not progress, smoothing=0.05):
             ex = build_example(models, p.messages(), p.text)
             tmp = f.with_suffix(f".tmp{os.getpid()}")
@@ -878,9 +883,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the CPU is shared)")
     ap.add_argument("--q-mean", type=float, default=0.10, help="tau_mean quantile of the slow model's own openings")
     ap.add_argument("--p-min", type=float, default=0.01, help="tau_min = log(p_min)")
+    ap.add_argument("--adapter", default="shipped",
+                    help="drafter adapter the verifier reads: shipped (dialogue/weights), a path, or none")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    from dialogue.drafter_adapter import adapter_path, adapter_sha256
+
+    adapter = adapter_path(args.adapter)
     progress = not args.no_progress
     t0 = time.time()
 
@@ -890,7 +900,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         key = p.source.split("/")[0]
         by_source[key] = by_source.get(key, 0) + 1
     print(f"prompts: {len(prompts)} {by_source}", file=sys.stderr)
-    examples = build_dataset(prompts, progress=progress)
+    examples = build_dataset(prompts, progress=progress, adapter=adapter)
     build_s = time.time() - t0
 
     tau = choose_tau(examples, args.q_mean, args.p_min)
@@ -954,7 +964,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dim": model.dim,
         "head_dim": cfg.head_dim,
         "params": n_params,
-        "drafter": {k: DRAFTER[k] for k in ("name", "package", "file", "version", "sha256")} | {"dtype": DTYPE},
+        "drafter": {k: DRAFTER[k] for k in ("name", "package", "file", "version", "sha256")}
+        | {"dtype": DTYPE, "adapter_sha256": adapter_sha256(adapter), "adapter": None if adapter is None else adapter.name},
         "slow_model": slow_model_info(),
         "draft_rule": {"max_words": V.MAX_DRAFT_WORDS, "max_tokens": V.MAX_DRAFT_TOKENS,
                        "stop": "EOS/<|im_end|>, >= max_words complete words, sentence end (. ! ?), max_tokens",
