@@ -150,6 +150,8 @@ class RelayInfo:
     p_accept: float
     committed: bool
     draft_s: float
+    #: the drafter chose the end of turn (the draft is a whole answer)
+    ended: bool = False
 
 
 @dataclass
@@ -175,6 +177,8 @@ class DialogueState:
     emitted_chars: int = 0
     pending: list[int] = field(default_factory=list)  # generated, not yet fed to the slow cache
     prefix: str = ""  # committed draft, not yet given to the slow model
+    #: the prefix went out with its word-ending space: drop one leading space of what follows it
+    seam_space: bool = False
     messages: list[dict[str, str]] | None = None  # the answer's history (for the slow model's sync)
     done: bool = True
     #: the slow cache ends with this answer (a listen step in between moves it to the user's words)
@@ -308,14 +312,18 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             msgs = [m for m in step.messages if m.get("role") != "system"]
             state.messages = msgs
             state.response_ids, state.emitted_chars, state.pending = [], 0, []
-            state.prefix, state.done, state.answer_live = "", False, False
+            state.prefix, state.done, state.answer_live, state.seam_space = "", False, False, False
             relay = self.drafter_options.relay if getattr(step, "relay", None) is None else bool(step.relay)
             if relay and self.drafter is not None and self.verifier is not None and state.drafter is not None:
                 relay_info = self._draft(state, msgs)
                 if relay_info.committed:
+                    from dialogue.verifier import prefix_ends_word
+
                     state.prefix = relay_info.prefix
+                    # with its space the TTS can speak the last word now instead of after the slow step
+                    state.seam_space = prefix_ends_word(relay_info.draft, relay_info.prefix, relay_info.ended)
                     t = relay_info.draft_s
-                    return RespondOutput(relay_info.prefix, False, 0, 0,
+                    return RespondOutput(relay_info.prefix + (" " if state.seam_space else ""), False, 0, 0,
                                          {"draft_s": t, "prefill_s": 0.0, "decode_s": 0.0, "total_s": t},
                                          relay_info)
         t1 = time.perf_counter()
@@ -327,6 +335,9 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             if state.messages is not None and (step.messages is not None or not state.answer_live):
                 prefill = self._slow_sync(state)
             text, n = self._slow_decode(state, step.max_tokens)
+        if state.seam_space and text:
+            text = text[1:] if text[0] == " " else text
+            state.seam_space = False
         t2 = time.perf_counter()
         timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0}
         if relay_info is not None:
@@ -370,7 +381,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             mask = torch.ones(1, len(stats))
             p = float(self.verifier(hs, st, mask)[0])
         committed = bool(prefix.strip()) and p >= self.verifier_threshold
-        return RelayInfo(draft, prefix if committed else "", p, committed, time.perf_counter() - t0)
+        return RelayInfo(draft, prefix if committed else "", p, committed, time.perf_counter() - t0, ended)
 
     # -- slow model -------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ __all__ = [
     "draft_stop",
     "ends_sentence",
     "load_verifier",
+    "prefix_ends_word",
     "prefix_text",
     "stop_token_ids",
     "token_stats",
@@ -159,6 +160,21 @@ def prefix_text(text: str, ended: bool = False, max_words: int = MAX_DRAFT_WORDS
     while end < len(text) and text[end] in _CLOSING:
         end += 1
     return text[:end].strip()
+
+
+def prefix_ends_word(draft: str, prefix: str, ended: bool) -> bool:
+    """Whether the committed `prefix` of `draft` ends where the drafter started a new word (or ended).
+
+    Then its last word is complete and can be spoken at once; the TTS's phrase rule counts a word
+    as complete only once a space follows it, so the engine sends such a prefix with that space.
+    """
+    if not prefix:
+        return False
+    rest = draft.strip()
+    if not rest.startswith(prefix):
+        return False
+    rest = rest[len(prefix):]
+    return ended and not rest or rest[:1].isspace()
 
 
 # -- drafting -----------------------------------------------------------------------------------------

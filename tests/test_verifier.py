@@ -276,3 +276,20 @@ def test_missing_or_broken_weights_say_how_to_fix(tmp_path) -> None:
     (tmp_path / "v.json").write_text(json.dumps(meta | {"dim": 64}))
     with pytest.raises(ModelError, match="cannot load"):
         load_verifier(tmp_path / "v.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("draft", "prefix", "ended", "whole"),
+    [
+        ("The capital of France", "The capital of", False, True),
+        (" Sure, I can", "Sure,", False, True),
+        ("Hello!", "Hello!", True, True),
+        ("Hello!", "Hello!", False, False),  # the drafter stopped on its budget: what comes next is unknown
+        ("well-known", "well", False, False),
+        ("", "", False, False),
+    ],
+)
+def test_prefix_ends_word(draft: str, prefix: str, ended: bool, whole: bool) -> None:
+    from dialogue.verifier import prefix_ends_word
+
+    assert prefix_ends_word(draft, prefix, ended) is whole
