@@ -649,24 +649,43 @@ def choose_tau(examples: Sequence[Mapping[str, Any]], q_mean: float = 0.10, p_mi
     t_mean = own[min(len(own) - 1, int(q_mean * len(own)))]
     t_min = math.log(p_min)
     rule = (
-        f"label 1 iff prefix non-empty, Latin script, no markup/code, not an echo of the question, and under the "
-        f"slow model "
+        f"label 1 iff prefix non-empty, Latin script, no markup/code, not an echo of the question, and either "
+        f"the slow model's own greedy opening word for word, or under the slow model "
         f"mean token log-prob >= {t_mean:.3f} (q{q_mean:.2f} of its own greedy openings) and "
         f"min token log-prob >= {t_min:.3f} (log {p_min})"
     )
     return Tau(float(t_mean), float(t_min), rule)
 
 
+def is_own_opening(prefix: str, slow_opening: str) -> bool:
+    """The prefix is, word for word (case and punctuation aside), how the slow model itself begins:
+    committing it changes nothing the slow model would have said."""
+    pw = _words(prefix)
+    return bool(pw) and _words(slow_opening)[: len(pw)] == pw
+
+
+def judge_prefix(ex: Mapping[str, Any], tau: Tau) -> str:
+    """Why a draft is acceptable ("own", "ok") or not (a forced negative, "low-mean", "low-min").
+
+    Forced negatives first (another script, markup, an echo of the question), whoever wrote them;
+    then the slow model's own greedy opening is acceptable by definition; any other prefix must be
+    about as likely under the slow model as its own openings are (`tau`)."""
+    why = forced_negative(ex)
+    if why is not None:
+        return why
+    if is_own_opening(str(ex["prefix"]), str(ex.get("slow_text", ""))):
+        return "own"
+    if ex["score_mean"] >= tau.mean and ex["score_min"] >= tau.min:
+        return "ok"
+    return "low-mean" if ex["score_mean"] < tau.mean else "low-min"
+
+
 def label_examples(examples: Sequence[dict[str, Any]], tau: Tau) -> list[int]:
     """1 = acceptable prefix; sets ex['label'] and ex['reason'] too."""
     labels = []
     for ex in examples:
-        why = forced_negative(ex)
-        if why is None:
-            ok = ex["score_mean"] >= tau.mean and ex["score_min"] >= tau.min
-            why = "ok" if ok else ("low-mean" if ex["score_mean"] < tau.mean else "low-min")
-        ex["reason"] = why
-        ex["label"] = int(why == "ok")
+        ex["reason"] = judge_prefix(ex, tau)
+        ex["label"] = int(ex["reason"] in ("own", "ok"))
         labels.append(ex["label"])
     return labels
 

@@ -238,19 +238,23 @@ def eval_relay(stage: Any, tts: Any, prompts: list[dict[str, Any]], progress: bo
 
 
 def _slow_accepts(stage: Any, history: list[dict[str, str]], text: str, r: dict[str, Any]) -> bool:
-    """The verifier's training label, recomputed for this draft: the slow model's own likelihood of
-    the draft's prefix in context (thresholds stored with the verifier), plus its forced negatives."""
-    from dialogue.train_verifier import forced_negative, score_prefix
+    """The verifier's training label, recomputed for this draft (`train_verifier.judge_prefix`): its
+    forced negatives, the slow model's own greedy opening, or the slow model's likelihood of the
+    draft's prefix in context (thresholds stored with the verifier)."""
+    from dialogue.train_verifier import Tau, judge_prefix, score_prefix
     from dialogue.turn_taking import normalize_user_text
-    from dialogue.verifier import chat_ids, prefix_text
+    from dialogue.verifier import chat_ids, draft, prefix_text
 
     meta = _verifier_meta()
     prefix = r["prefix"] or prefix_text(r["draft"], ended=True)
-    if forced_negative({"prefix": prefix, "text": normalize_user_text(text)}):
-        return False
-    ctx = chat_ids(stage.slow_tokenizer, stage.system_prompt, history, normalize_user_text(text))
-    sc = score_prefix(stage.slow.lm.model, stage.slow_tokenizer, ctx, prefix)
-    return sc.mean >= float(meta["tau"]["mean"]) and sc.min >= float(meta["tau"]["min"])
+    user = normalize_user_text(text)
+    ctx = chat_ids(stage.slow_tokenizer, stage.system_prompt, history, user)
+    model = stage.slow.lm.model
+    sc = score_prefix(model, stage.slow_tokenizer, ctx, prefix)
+    own = draft(model, stage.slow_tokenizer, ctx, stop_ids=stage.slow_stop)
+    ex = {"prefix": prefix, "text": user, "slow_text": own.text, "score_mean": sc.mean, "score_min": sc.min}
+    tau = Tau(float(meta["tau"]["mean"]), float(meta["tau"]["min"]), "")
+    return judge_prefix(ex, tau) in ("own", "ok")
 
 
 @functools.cache

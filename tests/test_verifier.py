@@ -238,6 +238,22 @@ def test_forced_negatives() -> None:
     assert T.normalise_asr_text(' Hello, "world"!  I\'m  here.') == "Hello world I'm here"
 
 
+def test_labels_accept_the_slow_models_own_opening() -> None:
+    tau = T.Tau(mean=-1.0, min=-4.6, rule="")
+    base = {"text": "what is the capital of France", "score_mean": -2.0, "score_min": -3.0}
+    # unlikely by the scores, but word for word how the slow model itself begins: acceptable
+    own = base | {"prefix": "The capital of", "slow_text": "The capital of France is"}
+    assert T.judge_prefix(own, tau) == "own"
+    assert T.judge_prefix(own | {"slow_text": "The capital, of France"}, tau) == "own"  # punctuation aside
+    assert T.judge_prefix(own | {"slow_text": "Paris is the capital"}, tau) == "low-mean"
+    assert T.judge_prefix(own | {"slow_text": "Paris", "score_mean": -0.5}, tau) == "ok"  # likely enough
+    # forced negatives win even over the slow model's own words (it may echo the question too)
+    echo = base | {"prefix": "What is the capital", "slow_text": "What is the capital of"}
+    assert T.judge_prefix(echo, tau) == "echo"
+    exs = [dict(own), dict(echo)]
+    assert T.label_examples(exs, tau) == [1, 0] and exs[0]["reason"] == "own"
+
+
 def test_split_keeps_groups_together() -> None:
     ex = [{"group": f"g{i // 3}"} for i in range(300)]
     splits = T.split_groups(ex, seed=0)
