@@ -186,22 +186,45 @@ def batches(examples: Sequence[Example], size: int, rng: random.Random | None) -
     return out
 
 
-def batch_loss(model: Any, batch: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy over the answer tokens of a right-padded batch, and their count."""
+def shared_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    """Length of the token prefix every sequence starts with, leaving each at least one token of its own."""
+    n = min(len(s) for s in seqs) - 1
+    first = seqs[0]
+    k = 0
+    while k < n and all(s[k] == first[k] for s in seqs):
+        k += 1
+    return k
+
+
+def batch_loss(model: Any, batch: Sequence[Example], pad_id: int, share: bool = True) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy over the answer tokens of a right-padded batch, and their count.
+
+    Every chat starts with the same system prompt: with `share` its tokens run once (batch 1, with
+    gradients) and their keys/values are repeated for the batch, so only the rest is per example
+    (about half the work; the loss and the gradients are those of the full sequences)."""
+    from transformers import DynamicCache
+
     seqs = [e.prompt + e.target for e in batch]
-    width = max(len(s) for s in seqs)
+    p = shared_prefix(seqs) if share and len(seqs) > 1 else 0
+    cache = None
+    if p:
+        cache = DynamicCache(config=model.config)
+        model.model(input_ids=torch.tensor([seqs[0][:p]]), past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(len(seqs))
+    width = max(len(s) for s in seqs) - p
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), p + width, dtype=torch.long)
     rows, cols, labels = [], [], []
     for i, (e, s) in enumerate(zip(batch, seqs, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
+        ids[i, : len(s) - p] = torch.tensor(s[p:])
         mask[i, : len(s)] = 1
-        start = len(e.prompt)
+        start = len(e.prompt) - p
         for j, t in enumerate(e.target):
             rows.append(i)
             cols.append(start + j - 1)  # the position whose logits predict target j
             labels.append(t)
-    h = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    h = model.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=cache is not None
+                    ).last_hidden_state
     logits = model.lm_head(h[torch.tensor(rows), torch.tensor(cols)])
     loss = F.cross_entropy(logits.float(), torch.tensor(labels), reduction="sum")
     return loss, len(labels)
@@ -373,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             (loss / n).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
-            run += float(loss)
+            run += float(loss.detach())
             seen += n
             step += 1
             bar.set_postfix(loss=f"{run / seen:.3f}")

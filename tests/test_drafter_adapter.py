@@ -151,6 +151,30 @@ def test_a_few_steps_of_distillation_learn_the_answer(tokenizer) -> None:  # noq
     assert rates["n"] == 2 and rates["match_1w"] == 1.0 and rates["match_3w"] == 1.0
 
 
+def test_the_shared_system_prompt_runs_once_with_the_same_loss_and_gradients(tokenizer) -> None:  # noqa: F811
+    model = tiny("qwen2", len(tokenizer), 8).train()
+    TD.add_lora(model, rank=4, alpha=8.0, dropout=0.0)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, TD.LoraLinear):
+                mod.lora_b.normal_(0, 0.1)
+    rows = [{"key": str(i), "split": "train", "history": [], "text": q, "answer": a, "ended": i % 2 == 0}
+            for i, (q, a) in enumerate([("tell me a story please", "once upon a time there was a cat"),
+                                        ("how are you today", "i am fine thanks"),
+                                        ("what is two plus two", "two plus two is four")])]
+    batch = TD.build_examples(tokenizer, SYSTEM, rows)
+    assert TD.shared_prefix([e.prompt + e.target for e in batch]) >= 5
+    grads = []
+    for share in (False, True):
+        model.zero_grad()
+        loss, n = TD.batch_loss(model, batch, tokenizer.pad_token_id, share=share)
+        loss.backward()
+        grads.append((float(loss.detach()), n, [p.grad.clone() for p in model.parameters() if p.requires_grad]))
+    (l0, n0, g0), (l1, n1, g1) = grads
+    assert n0 == n1 and l1 == pytest.approx(l0, rel=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(g0, g1, strict=True))
+
+
 def test_layer_choice_keeps_ends_and_most_influential() -> None:
     assert TD.choose_layers([0.5, 0.1, 0.3, 0.05, 0.2, float("inf")], 4) == [0, 2, 4, 5]
     with pytest.raises(ValueError):
