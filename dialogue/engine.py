@@ -493,6 +493,11 @@ def load_dialogue_stage(llm: ComponentConfig, drafter: ComponentConfig | None, p
         # both read the drafter's hidden states: a mismatch would give confident nonsense, so refuse it
         check_trained_with("the turn-taking heads", heads_meta, adapter)
         check_trained_with("the relay verifier", verifier_meta, adapter)
+        trained_words = (verifier_meta.get("draft_rule") or {}).get("max_words")
+        if trained_words is not None and int(trained_words) != d_opts.draft_words:
+            log.warning("drafter: draft_words is %d but the verifier was trained on %d-word drafts; its scores "
+                        "are then less reliable (retrain it or set draft_words: %d)", d_opts.draft_words,
+                        int(trained_words), int(trained_words))
         d_model, d_tok = load_drafter(drafter.weights, d_opts.dtype, adapter, progress=progress)
         if d_opts.verifier_threshold is not None:
             threshold = float(d_opts.verifier_threshold)

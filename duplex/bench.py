@@ -424,6 +424,7 @@ class Conversation:
         with contextlib.suppress(TimeoutError):
             k = await rx.wait(lambda r: r.is_event("turn.latency", turn), start=i, within_s=5.0)
             rec["server_latency_ms"] = dict(rx.log[k].event["stages"])  # type: ignore[index]
+            rec["relay"] = dict(rx.log[k].event.get("relay") or {})  # type: ignore[union-attr]
         rec["ok"] = True
         return rec
 
@@ -657,6 +658,9 @@ def _summary(turns: list[dict[str, Any]], barge_ins: list[dict[str, Any]]) -> di
         "turns_failed": sum(1 for t in turns if not t.get("ok")),
         "barge_ins_failed": sum(1 for b in barge_ins if not b.get("ok")),
         "split_turns": int(sum(t.get("split_finals", 0) for t in turns)),
+        # answers the relay's drafter started (committed prefix) out of those it drafted for
+        "relay_committed": sum(1 for t in ok if (t.get("relay") or {}).get("committed")),
+        "relay_drafted": sum(1 for t in ok if t.get("relay")),
     }
     summary["targets"] = {
         "onset_p50_s": {"target": TARGETS["onset_p50_s"], "value": onset["p50"],
@@ -852,6 +856,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"response.interrupted: {s['leaked_frames_total']}; VAD-split turns: {s['split_turns']}; barge-ins "
         f"not measurable (answer audio stalled at the interruption): {s['barge_ins_stalled']}"
     )
+    if s.get("relay_drafted"):
+        lines.append(f"relay: {s['relay_committed']} of {s['relay_drafted']} answers started by the drafter "
+                     "(committed prefix)")
     rtf = s["rtf"]
     lines.append("")
     lines.append(f"{'stage label':<14} {'jobs':>6} {'overruns':>8} {'run s':>8} {'per':>7} {'audio s':>8} {'RTF':>7}")
@@ -1006,6 +1013,17 @@ def main(args: argparse.Namespace) -> int:
     if not transports and (args.turns < 0 or args.barge_ins < 0 or args.turns + args.barge_ins == 0):
         print("duplex bench: --turns and --barge-ins must be >= 0 and not both 0", file=sys.stderr)
         return 2
+    options: dict[str, Any] = {}
+    if getattr(args, "session", None):
+        try:
+            options = json.loads(args.session)
+        except ValueError as exc:
+            print(f"duplex bench: --session is not JSON ({exc}); e.g. --session '{{\"relay\": true}}'",
+                  file=sys.stderr)
+            return 2
+        if not isinstance(options, dict):
+            print("duplex bench: --session must be a JSON object of session options", file=sys.stderr)
+            return 2
     tones = bool(getattr(args, "tones", False))
     if tones and not (args.serve and transports):
         print("duplex bench: --tones needs --serve and --transport (it measures the adapters alone)", file=sys.stderr)
@@ -1051,7 +1069,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if transports:
             return _bench_transports(url, transports, audiosocket, args, tones)
-        result = asyncio.run(run_bench(url, args.turns, args.barge_ins, out_dir=args.out))
+        result = asyncio.run(run_bench(url, args.turns, args.barge_ins, out_dir=args.out,
+                                       session_options=options))
     except BenchError as exc:
         print(f"duplex bench: {exc}", file=sys.stderr)
         return 2

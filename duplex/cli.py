@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--barge-ins", type=int, default=10, help="barge-in trials to measure")
     b.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
     b.add_argument("--serve", action="store_true", help="start a server in this process first")
+    b.add_argument("--session", default=None, metavar="JSON",
+                   help='session options for the benchmark session, e.g. \'{"relay": true}\' (docs/protocol.md)')
     b.add_argument("--profile", default=None)
     b.add_argument("--transport", default=None, metavar="NAMES",
                    help="onset through transports instead: 'all' or a comma list of native,twilio,audiosocket,realtime"
