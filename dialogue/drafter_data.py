@@ -219,11 +219,11 @@ def drafter_prompts(seed: int = 0) -> list[DraftPrompt]:
              + _fills(EXTRA_TEMPLATES, range(len(EXTRA_TEMPLATES)), 40, "extra", seed + 2))
     heldout_texts = {dp.prompt.text.lower() for dp in out.values() if dp.split != "train"}
     for p in extra:
-        if p.text.lower() in heldout_texts:
-            continue  # the same words as a val / held-out prompt: not trained on
         dp = DraftPrompt(p, "train")
         out.setdefault(dp.key, dp)
-    return list(out.values())
+    # the same words as a val / held-out prompt (with another history, or from another source) are
+    # not trained on: the drafter would have seen the relay benchmark's question
+    return [dp for dp in out.values() if dp.split != "train" or dp.prompt.text.lower() not in heldout_texts]
 
 
 # -- targets ------------------------------------------------------------------------------------
@@ -246,25 +246,16 @@ def slow_answer(slow: Any, ids: Sequence[int], max_tokens: int = TARGET_TOKENS) 
     """Greedy answer of a `train_verifier.WarmModel` after the chat `ids` (its warm cache is reset after)."""
     import torch
 
-    from dialogue.fast_decoder import FastDecoder
+    from dialogue.fast_decoder import decoder_hidden
 
-    dec = FastDecoder.for_model(slow.model)
     cache = slow.cache_for(ids)
     out: list[int] = []
     ended = False
     try:
         with torch.inference_mode():
-            done = cache.get_seq_length()
-            step = list(ids[done:])
-            pos = done
+            step = list(ids[cache.get_seq_length():])
             while len(out) < max_tokens:
-                if dec is not None:
-                    h = dec.forward(cache, step, pos)[:, -1]
-                else:
-                    p = torch.arange(pos, pos + len(step))
-                    h = slow.model.model(input_ids=torch.tensor([step]), past_key_values=cache, use_cache=True,
-                                         cache_position=p, position_ids=p[None]).last_hidden_state[:, -1]
-                pos += len(step)
+                h = decoder_hidden(slow.model, step, cache)[:, -1]
                 tok = int(torch.argmax(slow.model.lm_head(h)[0]))
                 if tok in slow.stop_ids:
                     ended = True

@@ -232,3 +232,23 @@ class FastDecoder:
                 g, u = ly.gate(h), ly.up(h)
             x = x + ly.down(F.silu(g) * u)
         return self._norm(x, self.final_norm, self.final_eps)
+
+
+def decoder_hidden(model: Any, ids: Sequence[int], cache: Any = None, start: int | None = None) -> torch.Tensor:
+    """Final-norm hidden states [1, len(ids), H] of `ids` after `cache` (extended in place; a fresh
+    `DynamicCache` if None): the lean forward where the model allows it, else `transformers`'.
+
+    The offline tools (feature extraction, labelling, judging) call this, so they compute exactly
+    what the engine computes, as fast as it does."""
+    from transformers import DynamicCache
+
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    pos = cache.get_seq_length() if start is None else int(start)
+    dec = FastDecoder.for_model(model)
+    if dec is not None:
+        return dec.forward(cache, ids, pos)
+    positions = torch.arange(pos, pos + len(ids))
+    out = model.model(input_ids=torch.tensor([list(ids)], dtype=torch.long), past_key_values=cache, use_cache=True,
+                      cache_position=positions, position_ids=positions[None])
+    return out.last_hidden_state

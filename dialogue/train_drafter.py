@@ -334,7 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     t0 = time.time()
 
-    rows = list(DD.read_targets().values())
+    splits = {dp.key: dp.split for dp in DD.drafter_prompts()}
+    # the split comes from the prompt set (a row made before a prompt was excluded is left out)
+    rows = [r | {"split": splits[k]} for k, r in DD.read_targets().items() if k in splits]
     if not rows:
         raise SystemExit(f"no targets in {DD.TARGETS_FILE}: run `python -m dialogue.drafter_data` first")
     system = str(load_profile("cpu").component("llm").options.get("system_prompt", "")).strip()

@@ -73,9 +73,10 @@ def system_prompt() -> str:
 
 def hidden_state(model: Any, ids: Sequence[int]) -> torch.Tensor:
     """The drafter's last hidden state (after the final norm) for one whole prompt, float32 [H]."""
+    from dialogue.fast_decoder import decoder_hidden
+
     with torch.inference_mode():
-        out = model.model(input_ids=torch.tensor([list(ids)], dtype=torch.long))
-    return out.last_hidden_state[0, -1].float().clone()
+        return decoder_hidden(model, ids)[0, -1].float().clone()
 
 
 def sliced_hidden_state(model: Any, ids: Sequence[int], open_from: int, slice_tokens: int = ENGINE_SLICE_TOKENS
@@ -91,15 +92,17 @@ def sliced_hidden_state(model: Any, ids: Sequence[int], open_from: int, slice_to
     while cuts[-1] + slice_tokens < len(ids):
         cuts.append(cuts[-1] + slice_tokens)
     cuts.append(len(ids))
+    from dialogue.fast_decoder import decoder_hidden
+
     out = None
     with torch.inference_mode():
         start = 0
         for end in cuts:
             if end > start:
-                out = model.model(input_ids=torch.tensor([ids[start:end]]), past_key_values=cache, use_cache=True)
+                out = decoder_hidden(model, ids[start:end], cache)
                 start = end
     assert out is not None
-    return out.last_hidden_state[0, -1].float().clone()
+    return out[0, -1].float().clone()
 
 
 def features_dir() -> Path:

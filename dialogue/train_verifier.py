@@ -392,10 +392,10 @@ class WarmModel:
         crop_to(self.cache, len(self.sys_ids))
         done = self.cache.get_seq_length()
         if done < len(self.sys_ids):
-            rest = self.sys_ids[done:]
+            from dialogue.fast_decoder import decoder_hidden
+
             with torch.inference_mode():
-                self.model.model(input_ids=torch.tensor([rest]), past_key_values=self.cache, use_cache=True,
-                                 cache_position=torch.arange(done, done + len(rest)))
+                decoder_hidden(self.model, self.sys_ids[done:], self.cache, done)
 
 
 @dataclass
@@ -458,15 +458,12 @@ def score_prefix(
         raise ValueError(f"score_prefix: the cache holds {done} positions; leave at least one of the "
                          f"{len(ctx_ids)} context tokens to forward (its logits score the first prefix token)")
     seq = list(ctx_ids[done:]) + pids
+    from dialogue.fast_decoder import decoder_hidden
+
     with torch.inference_mode():
-        out = model(
-            input_ids=torch.tensor([seq]),
-            past_key_values=cache,
-            use_cache=True,
-            cache_position=torch.arange(done, done + len(seq)),
-            logits_to_keep=len(pids) + 1,
-        )
-    logp = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)  # row i predicts pids[i]
+        h = decoder_hidden(model, seq, cache, done)[:, -(len(pids) + 1) :]
+        logits = model.lm_head(h)
+    logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)  # row i predicts pids[i]
     lps = logp[torch.arange(len(pids)), torch.tensor(pids)].tolist()
     return PrefixScore(float(sum(lps) / len(lps)), float(min(lps)), len(pids), [float(x) for x in lps])
 

@@ -211,13 +211,9 @@ class Draft:
 
 
 def _last_hidden(model: Any, ids: Sequence[int], cache: Any, pos: int) -> torch.Tensor:
-    out = model.model(
-        input_ids=torch.tensor([list(ids)], dtype=torch.long),
-        past_key_values=cache,
-        use_cache=True,
-        cache_position=torch.arange(pos, pos + len(ids)),
-    )
-    return out.last_hidden_state[:, -1:]  # [1, 1, H]: the quantized lm_head wants >= 2 dims
+    from dialogue.fast_decoder import decoder_hidden
+
+    return decoder_hidden(model, ids, cache, pos)[:, -1:]  # [1, 1, H]: the quantized lm_head wants >= 2 dims
 
 
 def draft(

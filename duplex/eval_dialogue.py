@@ -202,8 +202,10 @@ def judge(stage: Any, history: list[dict[str, str]], text: str, answer: str) -> 
             {"role": "user", "content": JUDGE_PROMPT.format(context=context, text=text, answer=answer or "(silence)")}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     digits = [tok.convert_tokens_to_ids(str(d)) for d in range(1, 10)]
+    from dialogue.fast_decoder import decoder_hidden
+
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([list(ids)])).logits[0, -1].float()
+        logits = model.lm_head(decoder_hidden(model, list(ids))[:, -1])[0].float()
     p = torch.softmax(logits[digits], dim=-1)
     return float((p * torch.arange(1, 10, dtype=torch.float32)).sum())
 
