@@ -135,6 +135,18 @@ def _fuse(parent: nn.Module, names: Sequence[str]) -> Callable[[torch.Tensor], t
 # -- the decoder ----------------------------------------------------------------------------------
 
 
+def _signature(model: Any) -> tuple[int, ...]:
+    """Identity of the modules and weights a decoder reads (to notice a model edited after it was built)."""
+    inner = model.model
+    out = [id(inner.embed_tokens), id(inner.norm.weight), len(inner.layers)]
+    for layer in inner.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        out += [id(m) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+        out += [id(layer.input_layernorm.weight), id(layer.post_attention_layernorm.weight)]
+    return tuple(out)
+
+
+
 @dataclass
 class _Layer:
     in_norm: torch.Tensor
@@ -179,14 +191,18 @@ class FastDecoder:
                 up=_linear_fn(mlp.up_proj), down=_linear_fn(mlp.down_proj)))
         self.final_norm = self.inner.norm.weight
         self.final_eps = float(getattr(self.inner.norm, "variance_epsilon", self.eps))
+        self.signature = _signature(model)
 
     @classmethod
     def for_model(cls, model: Any) -> FastDecoder | None:
-        """The model's decoder (built once and kept on the model), or None if it is not supported."""
+        """The model's decoder (built once and kept on the model), or None if it is not supported.
+
+        A kept decoder is reused only if it was built for this very model object with the same
+        modules (a deep copy, or a model whose layers were replaced since, e.g. by LoRA, gets a new one)."""
         if unsupported_reason(model) is not None:
             return None
         dec = getattr(model, _ATTR, None)
-        if dec is None:
+        if dec is None or dec.model is not model or dec.signature != _signature(model):
             dec = cls(model)
             setattr(model, _ATTR, dec)
         return dec

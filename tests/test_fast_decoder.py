@@ -98,3 +98,20 @@ def test_unsupported_models_are_named() -> None:
     assert FastDecoder.for_model(odd) is None
     with pytest.raises(ValueError, match="unsupported"):
         FastDecoder(odd)
+
+
+def test_a_copied_or_edited_model_gets_its_own_decoder() -> None:
+    m = tiny_model("llama", seed=9)
+    dec = FastDecoder.for_model(m)
+    ids = list(range(5, 20))
+    twin = copy.deepcopy(m)  # the kept decoder is copied along, but reads the original's weights
+    with torch.no_grad():
+        twin.model.layers[0].mlp.up_proj.weight.mul_(3.0)
+    assert FastDecoder.for_model(twin) is not dec
+    m.model.layers[1].self_attn.o_proj = torch.nn.Linear(64, 64, bias=False)  # replaced after it was built
+    assert FastDecoder.for_model(m) is not dec
+    with torch.inference_mode():
+        for model in (twin, m):
+            want = hf_hidden(model, DynamicCache(config=model.config), ids, 0)
+            got = FastDecoder.for_model(model).forward(DynamicCache(config=model.config), ids, 0)
+            assert torch.equal(want, got)
