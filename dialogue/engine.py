@@ -61,7 +61,7 @@ class DrafterOptions:
     dtype: str = "int8-dynamic"
     #: draft the first words of each answer; false: the slow model answers alone
     relay: bool = True
-    draft_words: int = 5
+    draft_words: int = 3
     draft_tokens: int = 12
     #: layers kept + LoRA deltas over the base weights (dialogue/drafter_adapter.py): "shipped" = the
     #: distilled drafter in dialogue/weights, a path, or null for the stock model

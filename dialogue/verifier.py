@@ -47,8 +47,9 @@ __all__ = [
     "token_stats",
 ]
 
-#: the drafter stops once its draft holds this many complete words
-MAX_DRAFT_WORDS = 5
+#: the drafter stops once its draft holds this many complete words (the TTS's first phrase is 3 words:
+#: a longer draft only delays the first audio, and a shorter one leaves the slow model to finish it)
+MAX_DRAFT_WORDS = 3
 #: ... or after this many tokens, whatever it holds (bounds the drafter's time)
 MAX_DRAFT_TOKENS = 12
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -174,7 +175,12 @@ def prefix_ends_word(draft: str, prefix: str, ended: bool) -> bool:
     if not rest.startswith(prefix):
         return False
     rest = rest[len(prefix):]
-    return ended and not rest or rest[:1].isspace()
+    if rest:
+        return rest[:1].isspace()
+    # the draft stopped right after the prefix: at the end of turn, or on a clause / sentence mark
+    # (drafting stops once the last word is complete, and "day," or "Certainly!" is complete: in
+    # English a space follows such a mark; a "." after a digit may be a decimal point)
+    return ended or (prefix[-1] in ",;:!?" or ends_sentence(prefix))
 
 
 # -- drafting -----------------------------------------------------------------------------------------

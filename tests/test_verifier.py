@@ -14,6 +14,7 @@ from dialogue import train_verifier as T
 from dialogue.verifier import (
     DEFAULT_WEIGHTS,
     MAX_DRAFT_TOKENS,
+    MAX_DRAFT_WORDS,
     Verifier,
     complete_words,
     draft,
@@ -79,7 +80,9 @@ def test_token_stats_extremes() -> None:
     ],
 )
 def test_prefix_cut(text: str, ended: bool, prefix: str) -> None:
-    assert prefix_text(text, ended=ended) == prefix
+    assert prefix_text(text, ended=ended, max_words=5) == prefix
+    # the shipped rule keeps MAX_DRAFT_WORDS (3) of them
+    assert prefix_text(text, ended=ended) == prefix_text(text, ended=ended, max_words=MAX_DRAFT_WORDS)
 
 
 def test_prefix_never_cuts_a_half_word() -> None:
@@ -96,12 +99,13 @@ def test_prefix_never_cuts_a_half_word() -> None:
             spans = {full[a:b] for a, b in complete_words(full, ended=True)}
             for a, b in complete_words(prefix, ended=True):
                 assert prefix[a:b] in spans, (text, full, prefix)
-            assert len(complete_words(prefix, ended=True)) <= 5
+            assert len(complete_words(prefix, ended=True)) <= MAX_DRAFT_WORDS
 
 
 def test_draft_stop_rules() -> None:
-    assert not draft_stop("I'm sorry, but I can't", 7)  # 4 complete words
-    assert draft_stop("I'm sorry, but I can't help", 8)  # 5 complete words
+    assert not draft_stop("I'm sorry, but I can't", 7, max_words=5)  # 4 complete words
+    assert draft_stop("I'm sorry, but I can't help", 8, max_words=5)  # 5 complete words
+    assert MAX_DRAFT_WORDS == 3 and draft_stop("I'm sorry, but I", 5) and not draft_stop("I'm sorry, but", 4)
     assert draft_stop("Hello!", 2) and draft_stop("Is it?", 3) and draft_stop("Yes.", 2)
     assert not draft_stop("It costs 3.", 4)  # a decimal point, not a sentence end
     assert draft_stop("abc", MAX_DRAFT_TOKENS) and not draft_stop("abc", MAX_DRAFT_TOKENS - 1)
@@ -300,7 +304,10 @@ def test_missing_or_broken_weights_say_how_to_fix(tmp_path) -> None:
         ("The capital of France", "The capital of", False, True),
         (" Sure, I can", "Sure,", False, True),
         ("Hello!", "Hello!", True, True),
-        ("Hello!", "Hello!", False, False),  # the drafter stopped on its budget: what comes next is unknown
+        ("Hello!", "Hello!", False, True),  # a sentence mark ends the word: a space follows it in English
+        ("In a day,", "In a day,", False, True),
+        ("It is 3.", "It is 3.", False, False),  # a decimal point, perhaps
+        ("The capital of", "The capital of", False, False),  # stopped on its budget: "of" may go on ("often")
         ("well-known", "well", False, False),
         ("", "", False, False),
     ],
