@@ -64,8 +64,9 @@ class DrafterOptions:
     draft_words: int = 3
     draft_tokens: int = 12
     #: layers kept + LoRA deltas over the base weights (dialogue/drafter_adapter.py): "shipped" = the
-    #: distilled drafter in dialogue/weights, a path, or null for the stock model
-    adapter: str | None = None
+    #: distilled drafter in dialogue/weights (what the shipped heads and verifier read), a path, or
+    #: null for the stock model
+    adapter: str | None = "shipped"
     #: turn-taking heads and relay verifier weights; "shipped" = the files in dialogue/weights
     heads: str = "shipped"
     verifier: str = "shipped"
@@ -115,6 +116,10 @@ class OverlapStep:
     text: str
 
 
+#: the most tokens a first step decodes while waiting for a speakable first phrase
+FIRST_PHRASE_MAX_TOKENS = 16
+
+
 @dataclass
 class RespondStep:
     """First step of an answer (`messages` = history ending with the user turn) or a continuation."""
@@ -123,6 +128,9 @@ class RespondStep:
     max_tokens: int = 4
     #: None: the drafter's `relay` option decides
     relay: bool | None = None
+    #: first step only: decode until the answer holds a first phrase of this many words (the TTS's
+    #: rule, `tts.phrases.first_phrase_ready`) instead of `max_tokens` tokens; 0: `max_tokens`
+    phrase_words: int = 0
 
 
 @dataclass
@@ -334,7 +342,18 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         else:
             if state.messages is not None and (step.messages is not None or not state.answer_live):
                 prefill = self._slow_sync(state)
-            text, n = self._slow_decode(state, step.max_tokens)
+            words = int(getattr(step, "phrase_words", 0) or 0) if step.messages is not None else 0
+            if words:
+                # token by token until the TTS can start: a fixed step would overshoot, or stop short
+                # and cost a whole further step before the first audio
+                from tts.phrases import first_phrase_ready
+
+                text, n = "", 0
+                while not (state.done or n >= FIRST_PHRASE_MAX_TOKENS or first_phrase_ready(text, False, words)):
+                    delta, k = self._slow_decode(state, 1)
+                    text, n = text + delta, n + k
+            else:
+                text, n = self._slow_decode(state, step.max_tokens)
         if state.seam_space and text:
             text = text[1:] if text[0] == " " else text
             state.seam_space = False

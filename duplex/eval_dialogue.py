@@ -147,31 +147,26 @@ def eval_turns_speech(stage: Any, asr: Any, examples: list[dict[str, Any]], n: i
 # -- 3: relay versus slow-only -------------------------------------------------------------------
 
 
-def first_phrase_ready(text: str, done: bool, words: int = 3) -> bool:
-    """The session core's rule: enough complete words (or a punctuation break) to start speaking."""
-    ws = text.split()
-    complete = len(ws) - (0 if not text or text[-1].isspace() else 1)
-    return done or any(c in text for c in ",.;:!?") or complete >= words or len(ws) >= 12
-
-
 def run_answer(stage: Any, tts: Any, history: list[dict[str, str]], text: str, relay: bool) -> dict[str, Any]:
     """One answer as the live service gives it: listen (prefill), then respond until the TTS has
     the first audio (onset), then to the end."""
     from dialogue.engine import ListenStep, RespondStep
     from tts.hibari_tts import TtsInput
+    from tts.phrases import first_phrase_ready
 
+    words = int(getattr(getattr(tts, "segmenter", None), "first_phrase_words", 3))
     state = stage.init_state()
     stage.step(state, ListenStep(history, text))  # the time-sliced prefill while the user spoke
     msgs = history + [{"role": "user", "content": text}]
     opts = stage.slow_options
     t0 = time.perf_counter()
-    out, state = stage.step(state, RespondStep(msgs, opts.first_step_tokens, relay))
+    out, state = stage.step(state, RespondStep(msgs, opts.first_step_tokens, relay, phrase_words=words))
     info = out.relay
     answer, pending = out.text, out.text
     tts_state = tts.init_state()
     onset = None
     while True:
-        if onset is None and first_phrase_ready(answer, out.done):
+        if onset is None and first_phrase_ready(answer, out.done, words):
             chunks, tts_state = tts.step(tts_state, TtsInput(pending, out.done))
             pending = ""
             if any(len(c.audio) for c in chunks):
@@ -241,9 +236,9 @@ def eval_relay(stage: Any, tts: Any, prompts: list[dict[str, Any]], progress: bo
 
 def _slow_accepts(stage: Any, history: list[dict[str, str]], text: str, r: dict[str, Any]) -> bool:
     """The verifier's training label, recomputed for this draft (`train_verifier.judge_prefix`): its
-    forced negatives, the slow model's own greedy opening, or the slow model's likelihood of the
-    draft's prefix in context (thresholds stored with the verifier)."""
-    from dialogue.train_verifier import Tau, judge_prefix, score_prefix
+    forced negatives, the slow model's own greedy opening, or typical acceptance of the draft's
+    prefix under the slow model in context (parameters stored with the verifier)."""
+    from dialogue.train_verifier import Acceptance, judge_prefix, score_prefix
     from dialogue.turn_taking import normalize_user_text
     from dialogue.verifier import chat_ids, draft, prefix_text
 
@@ -254,9 +249,10 @@ def _slow_accepts(stage: Any, history: list[dict[str, str]], text: str, r: dict[
     model = stage.slow.lm.model
     sc = score_prefix(model, stage.slow_tokenizer, ctx, prefix)
     own = draft(model, stage.slow_tokenizer, ctx, stop_ids=stage.slow_stop)
-    ex = {"prefix": prefix, "text": user, "slow_text": own.text, "score_mean": sc.mean, "score_min": sc.min}
-    tau = Tau(float(meta["tau"]["mean"]), float(meta["tau"]["min"]), "")
-    return judge_prefix(ex, tau) in ("own", "ok")
+    ex = {"prefix": prefix, "text": user, "slow_text": own.text, "score_logprobs": sc.logprobs,
+          "score_entropies": sc.entropies}
+    acc = Acceptance(float(meta["acceptance"]["epsilon"]), float(meta["acceptance"]["delta"]))
+    return judge_prefix(ex, acc) in ("own", "ok")
 
 
 @functools.cache

@@ -47,6 +47,7 @@ def build_stages(profile: Profile, progress: bool = True) -> Stages:
     log.info("stages loaded in %.1f s", time.perf_counter() - t0)
     turn = llm.listens
     policy = llm.policy
+    words = int(tts.segmenter.first_phrase_words)
     return Stages(
         vad=vad,
         asr=asr,
@@ -57,7 +58,8 @@ def build_stages(profile: Profile, progress: bool = True) -> Stages:
         tts_input=lambda text, final: TtsInput(text=text, final=final),
         listen_step=(lambda messages, text, slow: ListenStep(messages, text, slow)) if turn else None,
         overlap_step=(lambda text: OverlapStep(text)) if turn else None,
-        respond_step=lambda messages, max_tokens, relay: RespondStep(messages, max_tokens, relay),
+        # the first step decodes until the TTS can speak (its first phrase), not a fixed token count
+        respond_step=lambda messages, max_tokens, relay: RespondStep(messages, max_tokens, relay, phrase_words=words),
         speak_threshold=float(getattr(policy, "speak_threshold", 0.5)),
         backchannel_threshold=float(getattr(policy, "backchannel_threshold", 0.5)),
     )

@@ -57,6 +57,7 @@ from duplex.events import (
 from duplex.executor import Job
 from duplex.playout import Playout, heard_within
 from duplex.stage import StreamingStage
+from tts.phrases import first_phrase_ready
 
 log = logging.getLogger("duplex.session")
 
@@ -637,10 +638,7 @@ class SessionCore:
 
     def _needs_first_phrase(self, resp: Response) -> bool:
         """The text so far is not yet a speakable first phrase (too few complete words)."""
-        words = resp.text.split()
-        complete = len(words) - (0 if not resp.text or resp.text[-1].isspace() else 1)
-        has_break = any(mark in resp.text for mark in ",.;:!?")
-        return not resp.llm_done and not has_break and complete < self.first_phrase_words and len(words) < 12
+        return not first_phrase_ready(resp.text, resp.llm_done, self.first_phrase_words)
 
     def _messages_for(self, resp: Response) -> list[dict[str, str]]:
         msgs = list(self.history)

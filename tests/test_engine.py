@@ -245,3 +245,24 @@ def test_a_second_relayed_answer_continues_its_own_prefix_not_the_previous_answe
     want = stage.slow.renderer.system_ids + [i for p in pieces_for(stage.slow.renderer, second, answer_prefix=prefix)
                                              for i in p.ids]
     assert state.slow.cache.ids[: len(want)] == want
+
+
+def test_first_step_decodes_until_the_first_phrase_and_the_answer_is_unchanged(tokenizer):
+    from dialogue.engine import FIRST_PHRASE_MAX_TOKENS
+    from tts.phrases import first_phrase_ready
+
+    slow = tiny("qwen2", len(tokenizer), 4)
+    opts = SlowOptions(system_prompt=SYSTEM, max_new_tokens=24)
+    msgs = [{"role": "user", "content": "tell me a story please"}]
+    plain, _ = DialogueStage(slow, tokenizer, opts).generate(msgs, relay=False)
+    stage = DialogueStage(slow, tokenizer, opts)
+    out, state = stage.step(stage.init_state(), RespondStep(msgs, 4, False, phrase_words=3))
+    # it stopped at the first token that made the phrase speakable (or at its cap / the end)
+    assert out.done or out.n_tokens == FIRST_PHRASE_MAX_TOKENS or first_phrase_ready(out.text, False, 3)
+    assert out.n_tokens == 1 or not first_phrase_ready(
+        tokenizer.decode(state.response_ids[:-1], skip_special_tokens=True), False, 3)
+    text = out.text
+    while not out.done:
+        out, state = stage.step(state, RespondStep(None, 4))
+        text += out.text
+    assert text == plain  # how the steps are cut does not change the answer

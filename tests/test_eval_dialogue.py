@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from duplex.eval_dialogue import auroc, decide, first_phrase_ready, report, summarise_relay, turn_metrics
+from duplex.eval_dialogue import auroc, decide, report, summarise_relay, turn_metrics
+from tts.phrases import first_phrase_ready
 
 
 def test_decision_rule_matches_the_session_core():
@@ -35,7 +36,10 @@ def test_auroc_and_first_phrase():
     assert math.isnan(auroc([0.3], [1]))
     assert not first_phrase_ready("The capital", done=False)
     assert first_phrase_ready("The capital of ", done=False)
-    assert first_phrase_ready("Sure,", done=False) and first_phrase_ready("Hi", done=True)
+    # what the TTS's phrase segmenter would cut now: a clause mark ends a phrase once a space follows
+    assert not first_phrase_ready("Sure,", done=False) and first_phrase_ready("Sure, ", done=False)
+    assert first_phrase_ready("Hi", done=True) and first_phrase_ready("It is 3. ", done=False)
+    assert not first_phrase_ready("Dr. ", done=False)  # an abbreviation does not end a phrase
 
 
 def test_relay_summary_ratios_and_report():

@@ -117,3 +117,18 @@ class PhraseSegmenter:
                 emitted += 1
             pending = ""
         return phrases, PhraseState(pending=pending, emitted=emitted)
+
+
+def first_phrase_ready(text: str, done: bool, words: int = 3, max_words: int = 12) -> bool:
+    """Whether an answer's text so far holds a first phrase the TTS would speak now: what
+    `PhraseSegmenter` cuts (`words` complete words, or a clause / sentence end, a word being
+    complete once whitespace follows it), or the whole answer when it is `done`.
+
+    The session core waits for this before it speaks, and the dialogue engine's first step decodes
+    until it holds, so the first audio waits neither for a fixed number of tokens nor for a phrase
+    the TTS would not yet cut."""
+    if done:
+        return True
+    segmenter = PhraseSegmenter(words, max_words)
+    phrases, _ = segmenter.step(segmenter.init_state(), text)
+    return bool(phrases)
