@@ -11,9 +11,10 @@
    (`score_prefix`: mean and min token log-prob) and drafts its own first words with the same
    procedure (diagnostics: does the first word match?). Features are cached one file per prompt
    under $DUPLEX_CACHE/verifier_features (default ~/.cache/duplex), so a rerun resumes.
-3. Labels (`label_examples`): acceptable iff mean >= tau_mean and min >= tau_min, and the prefix is
-   not empty, not another script, not markup/code and not an echo of the question. tau is chosen from the data
-   (`choose_tau`, anchored on the slow model's own openings, see there).
+3. Labels (`label_examples`, `judge_prefix`): acceptable iff the prefix is not empty, not another
+   script, not markup/code and not an echo of the question, and either the slow model's own greedy
+   opening or every token passes typical acceptance under the slow model (`Acceptance`: Medusa's
+   p >= min(epsilon, delta * exp(-entropy))).
 4. Split by conversation / template family (seeded) into train/val/held-out; focal loss + AdamW,
    early stopping on val AUROC, threshold tuned for macro-F1 on val; held-out metrics go into the
    metadata next to the weights, the held-out prompts into dialogue/data/relay_eval.jsonl.
@@ -53,7 +54,7 @@ DRAFTER = {
 }
 DTYPE = "int8-dynamic"  # what the engine runs: features must come from the same arithmetic
 #: bump when the drafting/scoring procedure changes, so cached features are recomputed
-FEATURE_VERSION = 1
+FEATURE_VERSION = 2
 DATA_DIR = Path(__file__).resolve().parent / "data"
 EVAL_FILE = DATA_DIR / "relay_eval.jsonl"
 #: assistant history longer than this is cut (chatterbot's coding answers hold whole programs)
@@ -435,6 +436,8 @@ class PrefixScore:
     min: float
     n_tokens: int
     logprobs: list[float]
+    #: entropy (nats) of the model's next-token distribution where each prefix token was chosen
+    entropies: list[float] = field(default_factory=list)
 
 
 def score_prefix(
@@ -465,7 +468,9 @@ def score_prefix(
         logits = model.lm_head(h)
     logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)  # row i predicts pids[i]
     lps = logp[torch.arange(len(pids)), torch.tensor(pids)].tolist()
-    return PrefixScore(float(sum(lps) / len(lps)), float(min(lps)), len(pids), [float(x) for x in lps])
+    ent = (-(logp.exp() * logp).sum(-1)).tolist()
+    return PrefixScore(float(sum(lps) / len(lps)), float(min(lps)), len(pids), [float(x) for x in lps],
+                       [float(x) for x in ent])
 
 
 def _prefix_steps(tokenizer: Any, tokens: Sequence[int], prefix: str) -> int:
@@ -512,6 +517,7 @@ def build_example(models: Models, history: Sequence[Mapping[str, str]], text: st
         "score_min": sc.min,
         "score_n": sc.n_tokens,
         "score_logprobs": sc.logprobs,
+        "score_entropies": sc.entropies,
         "slow_text": own.text,
         "slow_prefix": own.prefix,
         "slow_self_mean": float(sum(own_lps) / len(own_lps)) if own_lps else -math.inf,
@@ -623,35 +629,30 @@ def forced_negative(ex: Mapping[str, Any]) -> str | None:
 
 
 @dataclass(frozen=True)
-class Tau:
-    """Label thresholds on the slow model's log-probs of the prefix."""
+class Acceptance:
+    """Typical acceptance (Medusa, Cai et al. 2024) of a prefix under the slow model.
 
-    mean: float
-    min: float
-    rule: str
-
-
-def choose_tau(examples: Sequence[Mapping[str, Any]], q_mean: float = 0.10, p_min: float = 0.01) -> Tau:
-    """Thresholds anchored on what the slow model says itself.
-
-    tau_mean is the `q_mean` quantile of the mean log-prob the slow model gives its *own* greedy
-    openings (cut by the same rule): a draft passes if the slow model finds it about as natural
-    as 90 % of the openings it would choose. tau_min = log(`p_min`): no token of the prefix may be
-    one the slow model gives under 1 %: a single such word (a wrong name, number or language) is
-    what makes a prefix unsayable even when the rest is fluent.
+    Every token x of the prefix must have p(x) >= min(epsilon, delta * exp(-H)) under the slow
+    model in context, H being the entropy of its next-token distribution there: where the slow
+    model is sure, the prefix must say what it would say; where many continuations are fine
+    ("Sure" / "Certainly" / "Of course"), a less likely one passes. A wrong name or number, a word
+    the slow model would not use, fails. Medusa's defaults: epsilon 0.09, delta 0.3.
     """
-    own = sorted(float(e["slow_self_mean"]) for e in examples if math.isfinite(float(e["slow_self_mean"])))
-    if not own:
-        raise ValueError("choose_tau: no finite slow-model self scores")
-    t_mean = own[min(len(own) - 1, int(q_mean * len(own)))]
-    t_min = math.log(p_min)
-    rule = (
-        f"label 1 iff prefix non-empty, Latin script, no markup/code, not an echo of the question, and either "
-        f"the slow model's own greedy opening word for word, or under the slow model "
-        f"mean token log-prob >= {t_mean:.3f} (q{q_mean:.2f} of its own greedy openings) and "
-        f"min token log-prob >= {t_min:.3f} (log {p_min})"
-    )
-    return Tau(float(t_mean), float(t_min), rule)
+
+    epsilon: float = 0.09
+    delta: float = 0.3
+
+    def accepts(self, logprobs: Sequence[float], entropies: Sequence[float]) -> bool:
+        if not logprobs or len(logprobs) != len(entropies):
+            return False
+        return all(lp >= math.log(min(self.epsilon, self.delta * math.exp(-h)))
+                   for lp, h in zip(logprobs, entropies, strict=True))
+
+    @property
+    def rule(self) -> str:
+        return ("label 1 iff the prefix is non-empty, Latin script, no markup/code, not an echo of the question, "
+                "and either the slow model's own greedy opening word for word, or every token passes typical "
+                f"acceptance under the slow model: p >= min({self.epsilon}, {self.delta} * exp(-entropy))")
 
 
 def is_own_opening(prefix: str, slow_opening: str) -> bool:
@@ -661,27 +662,27 @@ def is_own_opening(prefix: str, slow_opening: str) -> bool:
     return bool(pw) and _words(slow_opening)[: len(pw)] == pw
 
 
-def judge_prefix(ex: Mapping[str, Any], tau: Tau) -> str:
-    """Why a draft is acceptable ("own", "ok") or not (a forced negative, "low-mean", "low-min").
+def judge_prefix(ex: Mapping[str, Any], acc: Acceptance) -> str:
+    """Why a draft is acceptable ("own", "ok") or not (a forced negative, "atypical").
 
     Forced negatives first (another script, markup, an echo of the question), whoever wrote them;
-    then the slow model's own greedy opening is acceptable by definition; any other prefix must be
-    about as likely under the slow model as its own openings are (`tau`)."""
+    then the slow model's own greedy opening is acceptable by definition; any other prefix must
+    pass typical acceptance under the slow model (`Acceptance`)."""
     why = forced_negative(ex)
     if why is not None:
         return why
     if is_own_opening(str(ex["prefix"]), str(ex.get("slow_text", ""))):
         return "own"
-    if ex["score_mean"] >= tau.mean and ex["score_min"] >= tau.min:
+    if acc.accepts(ex.get("score_logprobs") or [], ex.get("score_entropies") or []):
         return "ok"
-    return "low-mean" if ex["score_mean"] < tau.mean else "low-min"
+    return "atypical"
 
 
-def label_examples(examples: Sequence[dict[str, Any]], tau: Tau) -> list[int]:
+def label_examples(examples: Sequence[dict[str, Any]], acc: Acceptance) -> list[int]:
     """1 = acceptable prefix; sets ex['label'] and ex['reason'] too."""
     labels = []
     for ex in examples:
-        ex["reason"] = judge_prefix(ex, tau)
+        ex["reason"] = judge_prefix(ex, acc)
         ex["label"] = int(ex["reason"] in ("own", "ok"))
         labels.append(ex["label"])
     return labels
@@ -897,8 +898,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--eval-out", type=Path, default=EVAL_FILE, help="held-out prompts for the relay benchmark")
     ap.add_argument("--seed", type=int, default=0, help="split and training seed (the prompts stay the same)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the CPU is shared)")
-    ap.add_argument("--q-mean", type=float, default=0.10, help="tau_mean quantile of the slow model's own openings")
-    ap.add_argument("--p-min", type=float, default=0.01, help="tau_min = log(p_min)")
+    ap.add_argument("--epsilon", type=float, default=Acceptance.epsilon, help="typical acceptance: p >= min(eps, ...)")
+    ap.add_argument("--delta", type=float, default=Acceptance.delta, help="typical acceptance: ... delta * exp(-H))")
     ap.add_argument("--adapter", default="shipped",
                     help="drafter adapter the verifier reads: shipped (dialogue/weights), a path, or none")
     ap.add_argument("--no-progress", action="store_true")
@@ -919,13 +920,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     examples = build_dataset(prompts, progress=progress, adapter=adapter)
     build_s = time.time() - t0
 
-    tau = choose_tau(examples, args.q_mean, args.p_min)
-    labels = label_examples(examples, tau)
+    acc = Acceptance(args.epsilon, args.delta)
+    labels = label_examples(examples, acc)
     reasons: dict[str, int] = {}
     for ex in examples:
         reasons[ex["reason"]] = reasons.get(ex["reason"], 0) + 1
     usable = [i for i, ex in enumerate(examples) if ex["hidden"].shape[0] > 0]
-    print(f"tau: {tau.rule}", file=sys.stderr)
+    print(f"labels: {acc.rule}", file=sys.stderr)
     print(f"labels: {sum(labels)}/{len(labels)} positive ({sum(labels) / len(labels):.1%}); {reasons}; "
           f"{len(examples) - len(usable)} with no drafted token are left out", file=sys.stderr)
 
@@ -986,8 +987,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "draft_rule": {"max_words": V.MAX_DRAFT_WORDS, "max_tokens": V.MAX_DRAFT_TOKENS,
                        "stop": "EOS/<|im_end|>, >= max_words complete words, sentence end (. ! ?), max_tokens",
                        "prefix": "cut back to the last complete word (closing punctuation kept)"},
-        "label_rule": tau.rule,
-        "tau": {"mean": tau.mean, "min": tau.min, "q_mean": args.q_mean, "p_min": args.p_min},
+        "label_rule": acc.rule,
+        "acceptance": {"epsilon": acc.epsilon, "delta": acc.delta},
         "data": {
             "prompts": len(prompts),
             "sources": by_source,

@@ -242,20 +242,30 @@ def test_forced_negatives() -> None:
     assert T.normalise_asr_text(' Hello, "world"!  I\'m  here.') == "Hello world I'm here"
 
 
-def test_labels_accept_the_slow_models_own_opening() -> None:
-    tau = T.Tau(mean=-1.0, min=-4.6, rule="")
-    base = {"text": "what is the capital of France", "score_mean": -2.0, "score_min": -3.0}
+def test_labels_accept_the_slow_models_own_opening_or_typical_tokens() -> None:
+    import math
+
+    acc = T.Acceptance()  # Medusa: p >= min(0.09, 0.3 * exp(-H))
+    # the slow model is unsure (H = 3 nats: bar 0.3 * e^-3 = 0.015): a 5 % token passes; a 1 % one fails
+    assert acc.accepts([math.log(0.05)], [3.0]) and not acc.accepts([math.log(0.01)], [3.0])
+    # it is sure (H = 0.2: bar min(0.09, 0.25) = 0.09): only a likely token passes
+    assert acc.accepts([math.log(0.5)], [0.2]) and not acc.accepts([math.log(0.05)], [0.2])
+    assert not acc.accepts([], []) and not acc.accepts([math.log(0.5)], [])
+    base = {"text": "what is the capital of France", "score_logprobs": [math.log(0.5), math.log(0.001)],
+            "score_entropies": [1.0, 1.0]}
     # unlikely by the scores, but word for word how the slow model itself begins: acceptable
     own = base | {"prefix": "The capital of", "slow_text": "The capital of France is"}
-    assert T.judge_prefix(own, tau) == "own"
-    assert T.judge_prefix(own | {"slow_text": "The capital, of France"}, tau) == "own"  # punctuation aside
-    assert T.judge_prefix(own | {"slow_text": "Paris is the capital"}, tau) == "low-mean"
-    assert T.judge_prefix(own | {"slow_text": "Paris", "score_mean": -0.5}, tau) == "ok"  # likely enough
+    assert T.judge_prefix(own, acc) == "own"
+    assert T.judge_prefix(own | {"slow_text": "The capital, of France"}, acc) == "own"  # punctuation aside
+    assert T.judge_prefix(own | {"slow_text": "Paris is the capital"}, acc) == "atypical"
+    typical = own | {"slow_text": "Paris", "score_logprobs": [math.log(0.5), math.log(0.2)]}
+    assert T.judge_prefix(typical, acc) == "ok"
     # forced negatives win even over the slow model's own words (it may echo the question too)
     echo = base | {"prefix": "What is the capital", "slow_text": "What is the capital of"}
-    assert T.judge_prefix(echo, tau) == "echo"
+    assert T.judge_prefix(echo, acc) == "echo"
     exs = [dict(own), dict(echo)]
-    assert T.label_examples(exs, tau) == [1, 0] and exs[0]["reason"] == "own"
+    assert T.label_examples(exs, acc) == [1, 0] and exs[0]["reason"] == "own"
+    assert "typical acceptance" in acc.rule
 
 
 def test_split_keeps_groups_together() -> None:
@@ -277,7 +287,7 @@ def test_shipped_weights_and_metadata() -> None:
     assert 0.0 < thr < 1.0
     assert meta["hidden_size"] == model.hidden_size == 576
     assert meta["drafter"]["name"] == "smollm2-135m-instruct" and meta["slow_model"]["name"]
-    assert "label 1 iff" in meta["label_rule"] and meta["tau"]["mean"] < 0
+    assert "label 1 iff" in meta["label_rule"] and 0 < meta["acceptance"]["epsilon"] < 1
     ho = meta["heldout"]
     assert ho["n"] > 0 and 0.5 < ho["auroc"] <= 1.0 and 0.0 <= ho["commit_fraction"] <= 1.0
     assert meta["data"]["prompts"] >= 1000 and meta["params"] <= 170_000
