@@ -467,6 +467,20 @@ def turn_examples(generated: Iterable[Mapping[str, Any]], seed: int = 0) -> list
             if _key(cut) not in seen:
                 seen.add(_key(cut))
                 out.append(_example(cut, hist, BACKCHANNEL, "turn", source, group, "inner-boundary"))
+    # "Stop!" / "Wait," said over the service's answer opens the next turn: the caller goes on with
+    # what they want ("Stop! What is two plus two?"), so at the pause after it the service listens
+    for i, s in enumerate(TURN_OPENERS):
+        forms = {s, f"{s}, {s}" if len(s.split()) == 1 else s}
+        if s in ("stop", "wait", "hold on", "hang on", "one second", "just a second"):
+            forms.add(f"{s} please")
+        for v in sorted(forms):
+            if _key(v) in seen:
+                continue
+            seen.add(_key(v))
+            # said over an answer (what the service was saying is in the history) or to open a turn
+            said = [{"role": "assistant", "content": GREETINGS[i % len(GREETINGS)]}]
+            for hist in ([], said):
+                out.append(_example(v, hist, LISTEN, "turn", "template/opener", f"int:{s}", "opener"))
     return out
 
 
@@ -489,6 +503,9 @@ STOPPERS = (
     "let me stop you there", "hold up", "hey hey", "no stop", "sorry but", "um excuse me", "wait a second",
     "ok wait", "actually wait", "no no no", "stop please", "please stop", "enough",
 )
+#: the stoppers that open a turn rather than make one ("no", "sorry", "never mind" can be whole answers)
+TURN_OPENERS = tuple(s for s in STOPPERS if s not in ("no", "no no", "no no no", "sorry", "never mind", "enough", "hey",
+                                                       "hey hey"))
 #: interruptions that stand alone
 STANDALONE_INTERRUPTIONS = (
     "stop talking", "be quiet", "that's enough", "shut up", "cancel that", "nope", "wait what", "sorry what",
