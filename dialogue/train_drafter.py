@@ -1,6 +1,6 @@
 """Distil the relay's drafter on the slow model's openings: LoRA on SmolLM2-135M, optionally with fewer layers.
 
-    python -m dialogue.train_drafter [--layers 30] [--rank 16] [--epochs 3] [--out dialogue/weights/drafter_adapter.safetensors]
+    python -m dialogue.train_drafter [--layers 20] [--rank 16] [--epochs 3] [--out dialogue/weights/drafter_adapter.safetensors]
 
 1. Data: dialogue/data/drafter_targets.jsonl (`python -m dialogue.drafter_data` makes it): per prompt
    the slow model's greedy answer. The drafter sees the chat as the engine gives it (the service's
@@ -299,11 +299,11 @@ def decode_ms(model: Any, tokenizer: Any, n: int = 40) -> float:
 
 @dataclass
 class TrainConfig:
-    layers: int = 30
+    layers: int = 20
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.05
-    lr: float = 3e-4
+    lr: float = 5e-4
     weight_decay: float = 0.0
     batch: int = 16
     epochs: int = 3
@@ -318,11 +318,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from duplex.config import load_profile
 
     ap = argparse.ArgumentParser(prog="python -m dialogue.train_drafter", description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=30, help="decoder layers kept (of 30)")
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=TrainConfig.layers, help="decoder layers kept (of 30)")
+    ap.add_argument("--rank", type=int, default=TrainConfig.rank)
+    ap.add_argument("--epochs", type=int, default=TrainConfig.epochs)
+    ap.add_argument("--lr", type=float, default=TrainConfig.lr)
+    ap.add_argument("--batch", type=int, default=TrainConfig.batch)
     ap.add_argument("--limit", type=int, default=None, help="train on a seeded sample of N examples")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=DA.DEFAULT_ADAPTER)
