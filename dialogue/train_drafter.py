@@ -258,7 +258,7 @@ def match_rates(model: Any, tokenizer: Any, system: str, examples: Sequence[Exam
     hits = {1: 0, 3: 0, 5: 0}
     samples = []
     for e in tqdm(examples, desc="drafting", disable=not progress):
-        d = V.draft(model, tokenizer, e.prompt, stop_ids=stops)
+        d = V.draft(model, tokenizer, e.prompt, stop_ids=stops, max_words=max(hits))  # 5 words: all three rates
         for k in hits:
             want = words(e.answer, k)
             hits[k] += int(bool(want) and words(d.text, k) == want)
