@@ -81,7 +81,11 @@ def _fuse_dynamic_int8(mods: Sequence[nn.Module]) -> nn.Module:
     """One dynamic int8 Linear whose output is the concatenation of `mods`' outputs, bit for bit."""
     from torch.ao.nn.quantized.dynamic import Linear as DynLinear
 
+    versions = {getattr(m, "version", None) for m in mods}
+    if len(versions) != 1:
+        raise ValueError("cannot fuse dynamic int8 layers of different versions")
     weights, biases, scales, zeros = [], [], [], []
+    has_bias = False
     for m in mods:
         w, b = torch.ops.quantized.linear_unpack(m._packed_params._packed_params)
         if w.qscheme() not in (torch.per_channel_affine, torch.per_channel_symmetric):
@@ -89,15 +93,12 @@ def _fuse_dynamic_int8(mods: Sequence[nn.Module]) -> nn.Module:
         weights.append(w.int_repr())
         scales.append(w.q_per_channel_scales())
         zeros.append(w.q_per_channel_zero_points())
+        has_bias = has_bias or b is not None
         biases.append(b if b is not None else torch.zeros(w.shape[0]))
-    has_bias = any(torch.ops.quantized.linear_unpack(m._packed_params._packed_params)[1] is not None for m in mods)
     qw = torch._make_per_channel_quantized_tensor(torch.cat(weights), torch.cat(scales).double(),
                                                   torch.cat(zeros).long(), 0)
     fused = DynLinear(qw.shape[1], qw.shape[0], bias_=has_bias, dtype=torch.qint8)
     fused.set_weight_bias(qw, torch.cat(biases).float() if has_bias else None)
-    versions = {getattr(m, "version", None) for m in mods}
-    if len(versions) != 1:
-        raise ValueError("cannot fuse dynamic int8 layers of different versions")
     fused.version = versions.pop()
     return fused
 
@@ -147,19 +148,29 @@ def _signature(model: Any) -> tuple[int, ...]:
 
 
 
+Linear = Callable[[torch.Tensor], torch.Tensor]
+Split = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+def _products(parent: nn.Module, names: Sequence[str]) -> Split:
+    """`parent`'s layers `names` as one call returning their outputs: one fused int8 product split
+    into parts where it can be fused, else each layer in turn."""
+    fused = _fuse(parent, names)
+    if fused is not None:
+        sizes = [int(getattr(parent, n).out_features) for n in names]
+        return lambda x: fused(x).split(sizes, dim=-1)
+    fns = [_linear_fn(getattr(parent, n)) for n in names]
+    return lambda x: tuple(f(x) for f in fns)
+
+
 @dataclass
 class _Layer:
     in_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Callable[[torch.Tensor], torch.Tensor] | None
-    q: Callable[[torch.Tensor], torch.Tensor]
-    k: Callable[[torch.Tensor], torch.Tensor]
-    v: Callable[[torch.Tensor], torch.Tensor]
-    o: Callable[[torch.Tensor], torch.Tensor]
-    gate_up: Callable[[torch.Tensor], torch.Tensor] | None
-    gate: Callable[[torch.Tensor], torch.Tensor]
-    up: Callable[[torch.Tensor], torch.Tensor]
-    down: Callable[[torch.Tensor], torch.Tensor]
+    qkv: Split
+    o: Linear
+    gate_up: Split
+    down: Linear
 
 
 class FastDecoder:
@@ -177,18 +188,13 @@ class FastDecoder:
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
         self.eps = float(cfg.rms_norm_eps)
         self.scaling = self.head_dim**-0.5
-        self.q_size = self.n_heads * self.head_dim
-        self.kv_size = self.n_kv * self.head_dim
         self.layers: list[_Layer] = []
         for layer in self.inner.layers:
             a, mlp = layer.self_attn, layer.mlp
-            qkv = _fuse(a, ("q_proj", "k_proj", "v_proj"))
-            gate_up = _fuse(mlp, ("gate_proj", "up_proj"))
             self.layers.append(_Layer(
                 in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-                qkv=qkv, q=_linear_fn(a.q_proj), k=_linear_fn(a.k_proj), v=_linear_fn(a.v_proj),
-                o=_linear_fn(a.o_proj), gate_up=gate_up, gate=_linear_fn(mlp.gate_proj),
-                up=_linear_fn(mlp.up_proj), down=_linear_fn(mlp.down_proj)))
+                qkv=_products(a, ("q_proj", "k_proj", "v_proj")), o=_linear_fn(a.o_proj),
+                gate_up=_products(mlp, ("gate_proj", "up_proj")), down=_linear_fn(mlp.down_proj)))
         self.final_norm = self.inner.norm.weight
         self.final_eps = float(getattr(self.inner.norm, "variance_epsilon", self.eps))
         self.signature = _signature(model)
@@ -230,10 +236,7 @@ class FastDecoder:
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         for i, ly in enumerate(self.layers):
             h = self._norm(x, ly.in_norm, self.eps)
-            if ly.qkv is not None:
-                q, k, v = ly.qkv(h).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            else:
-                q, k, v = ly.q(h), ly.k(h), ly.v(h)
+            q, k, v = ly.qkv(h)
             q = self._rope(q.view(1, n, nh, hd).transpose(1, 2), cos, sin)
             k = self._rope(k.view(1, n, nkv, hd).transpose(1, 2), cos, sin)
             v = v.view(1, n, nkv, hd).transpose(1, 2)
@@ -242,10 +245,7 @@ class FastDecoder:
                                                enable_gqa=nkv != nh)
             x = x + ly.o(o.transpose(1, 2).reshape(1, n, nh * hd))
             h = self._norm(x, ly.post_norm, self.eps)
-            if ly.gate_up is not None:
-                g, u = ly.gate_up(h).chunk(2, dim=-1)
-            else:
-                g, u = ly.gate(h), ly.up(h)
+            g, u = ly.gate_up(h)
             x = x + ly.down(F.silu(g) * u)
         return self._norm(x, self.final_norm, self.final_eps)
 

@@ -453,8 +453,7 @@ def load(
             f"Delete it and it will be rebuilt on the next start:\n  rm -rf {d}"
         ) from exc
     model.eval()
-    if before_quantize is not None:
-        model = model.float()
+    if before_quantize is not None:  # loaded in float32 for it
         before_quantize(model)
         if tdtype != torch.float32:
             model = model.to(tdtype)
