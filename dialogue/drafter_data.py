@@ -25,12 +25,10 @@ retrain the drafter without the slow model.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
-import random
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,26 +139,6 @@ def prompt_key(p: TV.Prompt) -> str:
     return hashlib.sha256(json.dumps([list(p.history), p.text]).encode()).hexdigest()[:20]
 
 
-def _fills(templates: Sequence[tuple[str, dict[str, list[str]]]], families: Iterable[int], per_family: int,
-           tag: str, seed: int) -> list[TV.Prompt]:
-    rng = random.Random(seed)
-    out = []
-    for fi in families:
-        tpl, slots = templates[fi]
-        names = list(slots)
-        combos = list(itertools.product(*(slots[n] for n in names)))
-        rng.shuffle(combos)
-        seen: set[str] = set()
-        for combo in combos:
-            text = TV.normalise_asr_text(tpl.format(**dict(zip(names, combo, strict=True))))
-            if text and text not in seen:
-                seen.add(text)
-                out.append(TV.Prompt(f"{tag}:{fi}", tag, (), text))
-            if len(seen) >= per_family:
-                break
-    return out
-
-
 def _assistant_lines_as_turns(train_groups: set[str]) -> list[TV.Prompt]:
     """chatterbot assistant lines of train-split conversations, said back as user turns (no history)."""
     import importlib.util
@@ -213,10 +191,10 @@ def drafter_prompts(seed: int = 0) -> list[DraftPrompt]:
             group_split[base[i].group] = split
     train_groups = {g for g, s in group_split.items() if s == "train"}
     train_families = sorted(int(g.split(":")[1]) for g in train_groups if g.startswith("tpl:"))
-    extra = (_fills(TV.TEMPLATES, train_families, MORE_FILLS, "tpl", seed + 1)
+    extra = (TV.fill_templates(TV.TEMPLATES, train_families, MORE_FILLS, seed + 1, source="tpl")
              + _assistant_lines_as_turns(train_groups)
              + _generated_lines()
-             + _fills(EXTRA_TEMPLATES, range(len(EXTRA_TEMPLATES)), 40, "extra", seed + 2))
+             + TV.fill_templates(EXTRA_TEMPLATES, range(len(EXTRA_TEMPLATES)), 40, seed + 2, "extra", "extra"))
     heldout_texts = {dp.prompt.text.lower() for dp in out.values() if dp.split != "train"}
     for p in extra:
         dp = DraftPrompt(p, "train")

@@ -316,11 +316,14 @@ FOLLOW_UPS: list[tuple[str, str, list[str]]] = [
 ]
 
 
-def template_prompts(per_family: int = 25, seed: int = 0) -> list[Prompt]:
-    """Caller requests from TEMPLATES (up to `per_family` random fills each) and FOLLOW_UPS."""
+def fill_templates(templates: Sequence[tuple[str, dict[str, list[str]]]], families: Iterable[int],
+                   per_family: int, seed: int, tag: str = "tpl", source: str = "template") -> list[Prompt]:
+    """Up to `per_family` distinct random fills of each template family (group f"{tag}:{family}"),
+    drawn from one seeded generator in family order."""
     rng = random.Random(seed)
     prompts: list[Prompt] = []
-    for fi, (tpl, slots) in enumerate(TEMPLATES):
+    for fi in families:
+        tpl, slots = templates[fi]
         names = list(slots)
         combos = list(itertools.product(*(slots[n] for n in names)))
         rng.shuffle(combos)
@@ -329,9 +332,15 @@ def template_prompts(per_family: int = 25, seed: int = 0) -> list[Prompt]:
             text = normalise_asr_text(tpl.format(**dict(zip(names, combo, strict=True))))
             if text and text not in seen:
                 seen.add(text)
-                prompts.append(Prompt(f"tpl:{fi}", "template", (), text))
+                prompts.append(Prompt(f"{tag}:{fi}", source, (), text))
             if len(seen) >= per_family:
                 break
+    return prompts
+
+
+def template_prompts(per_family: int = 25, seed: int = 0) -> list[Prompt]:
+    """Caller requests from TEMPLATES (up to `per_family` random fills each) and FOLLOW_UPS."""
+    prompts = fill_templates(TEMPLATES, range(len(TEMPLATES)), per_family, seed)
     for fi, (first, reply, follow) in enumerate(FOLLOW_UPS):
         hist = (("user", normalise_asr_text(first)), ("assistant", reply))
         prompts.append(Prompt(f"fu:{fi}", "follow-up", (), normalise_asr_text(first)))
