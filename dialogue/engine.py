@@ -70,8 +70,9 @@ class DrafterOptions:
     #: turn-taking heads and relay verifier weights; "shipped" = the files in dialogue/weights
     heads: str = "shipped"
     verifier: str = "shipped"
-    #: override the verifier's tuned threshold (null: the one stored with the weights)
-    verifier_threshold: float | None = None
+    #: the verifier's operating point: a name stored with its weights ("balanced": macro-F1 on the
+    #: validation drafts, the default; "latency": commits enough drafts for the onset P90), or a number
+    verifier_threshold: float | str | None = None
     window_tokens: int = 1024
     evict_chunk: int = 64
 
@@ -107,6 +108,10 @@ class ListenStep:
     text: str
     #: also prefill the slow model (the live service does; evaluating the heads alone need not)
     prefill_slow: bool = True
+    #: then also prefill, in the drafter only, the end of the user's turn and the answer header as if
+    #: the turn ended here (the next slice rolls it back), so a draft decodes its first word at once;
+    #: None: when the relay is on
+    preclose: bool | None = None
 
 
 @dataclass
@@ -128,6 +133,9 @@ class RespondStep:
     max_tokens: int = 4
     #: None: the drafter's `relay` option decides
     relay: bool | None = None
+    #: the relay's decision forced (evaluation): True commits any non-empty draft prefix, False
+    #: discards every draft; None: the verifier decides
+    commit: bool | None = None
     #: first step only: decode until the answer holds a first phrase of this many words (the TTS's
     #: rule, `tts.phrases.first_phrase_ready`) instead of `max_tokens` tokens; 0: `max_tokens`
     phrase_words: int = 0
@@ -160,6 +168,10 @@ class RelayInfo:
     draft_s: float
     #: the drafter chose the end of turn (the draft is a whole answer)
     ended: bool = False
+    #: the verifier threshold this draft was judged against
+    threshold: float = 0.5
+    #: why the draft may not be committed whatever its score (`verifier.draft_veto`), or None
+    veto: str | None = None
 
 
 @dataclass
@@ -240,6 +252,10 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         self.policy = policy
         self.verifier = verifier
         self.verifier_threshold = verifier_threshold
+        #: the verifier's metadata (named operating points, training numbers); load_dialogue_stage sets it
+        self.verifier_meta: dict[str, Any] = {}
+        #: a rolling operating point (verifier.RollingThreshold) replacing the fixed threshold
+        self.rolling_threshold: Any = None
         if self.slow is None and self.remote is None:
             raise ValueError("the dialogue engine needs a slow model: in-process or remote")
 
@@ -286,6 +302,12 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
                 assert h is not None
                 p = self.heads.turn(h.float()).tolist()
                 probs = (float(p[0]), float(p[1]), float(p[2]))
+            preclose = self.drafter_options.relay if step.preclose is None else step.preclose
+            if preclose and self.verifier is not None:
+                # ~15 ms of the drafter per slice, off the critical path; what _draft syncs to
+                msgs = step.messages + [{"role": "user", "content": step.text}]
+                fed += self.drafter.sync(state.drafter, pieces_for(self.drafter.renderer, _normalized(msgs),
+                                                                   answer_prefix=""))
         t1 = time.perf_counter()
         state.answer_live = False
         if self.slow is not None and state.slow is not None and text and step.prefill_slow:
@@ -323,7 +345,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             state.prefix, state.done, state.answer_live, state.seam_space = "", False, False, False
             relay = self.drafter_options.relay if getattr(step, "relay", None) is None else bool(step.relay)
             if relay and self.drafter is not None and self.verifier is not None and state.drafter is not None:
-                relay_info = self._draft(state, msgs)
+                relay_info = self._draft(state, msgs, getattr(step, "commit", None))
                 if relay_info.committed:
                     from dialogue.verifier import prefix_ends_word
 
@@ -365,8 +387,8 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
 
     # -- relay ------------------------------------------------------------------------------
 
-    def _draft(self, state: DialogueState, msgs: list[dict[str, str]]) -> RelayInfo:
-        from dialogue.verifier import draft_stop, prefix_text, token_stats
+    def _draft(self, state: DialogueState, msgs: list[dict[str, str]], force: bool | None = None) -> RelayInfo:
+        from dialogue.verifier import draft_stop, draft_veto, prefix_text, token_stats
 
         assert self.drafter is not None and state.drafter is not None
         t0 = time.perf_counter()
@@ -394,13 +416,21 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         draft = self.drafter_tokenizer.decode(ids, skip_special_tokens=True)
         prefix = prefix_text(draft, ended=ended, max_words=o.draft_words)
         p = 0.0
+        rolling = self.rolling_threshold
+        thr = self.verifier_threshold if rolling is None else rolling.threshold()
         if hidden and prefix.strip():
             hs = torch.stack(hidden)[None]
             st = torch.tensor(stats, dtype=torch.float32)[None]
             mask = torch.ones(1, len(stats))
             p = float(self.verifier(hs, st, mask)[0])
-        committed = bool(prefix.strip()) and p >= self.verifier_threshold
-        return RelayInfo(draft, prefix if committed else "", p, committed, time.perf_counter() - t0, ended)
+            if rolling is not None and force is None:
+                rolling.observe(p)
+        question = next((m["content"] for m in reversed(msgs) if m.get("role") == "user"), "")
+        previous = next((m["content"] for m in reversed(msgs) if m.get("role") == "assistant"), None)
+        veto = draft_veto(prefix, question, previous) if prefix.strip() else None
+        committed = bool(prefix.strip()) and (p >= thr and veto is None if force is None else force)
+        return RelayInfo(draft, prefix if committed else "", p, committed, time.perf_counter() - t0, ended, thr,
+                         veto)
 
     # -- slow model -------------------------------------------------------------------------
 
@@ -494,7 +524,7 @@ def load_dialogue_stage(llm: ComponentConfig, drafter: ComponentConfig | None, p
         slow_model, slow_tok = llm_weights.load(llm.weights, slow_options.dtype, progress=progress)
     else:
         raise ConfigError(f"llm: backend {llm.backend!r} is not one of transformers-gguf, transformers, openai-chat")
-    d_model = d_tok = heads = policy = verifier = None
+    d_model = d_tok = heads = policy = verifier = verifier_meta = rolling = None
     d_opts = None
     threshold = 0.5
     if drafter is not None:
@@ -518,10 +548,38 @@ def load_dialogue_stage(llm: ComponentConfig, drafter: ComponentConfig | None, p
                         "are then less reliable (retrain it or set draft_words: %d)", d_opts.draft_words,
                         int(trained_words), int(trained_words))
         d_model, d_tok = load_drafter(drafter.weights, d_opts.dtype, adapter, progress=progress)
-        if d_opts.verifier_threshold is not None:
-            threshold = float(d_opts.verifier_threshold)
-    return DialogueStage(slow_model, slow_tok, slow_options, d_model, d_tok, d_opts, heads, policy, verifier,
-                         threshold, remote)
+        threshold, rolling = verifier_operating_point(verifier_meta, d_opts.verifier_threshold)
+    stage = DialogueStage(slow_model, slow_tok, slow_options, d_model, d_tok, d_opts, heads, policy, verifier,
+                          threshold, remote)
+    stage.verifier_meta = verifier_meta or {}
+    stage.rolling_threshold = rolling
+    return stage
+
+
+def verifier_operating_point(meta: Mapping[str, Any], choice: float | str | None) -> tuple[float, Any]:
+    """(threshold, rolling rule or None) for `choice`: None or "balanced" (the tuned threshold),
+    another name stored in the metadata (`thresholds`; one with a `rolling` rule, like "latency",
+    keeps a share of drafts committed rather than a number), or a number in [0, 1]."""
+    from dialogue.verifier import RollingThreshold
+
+    named = {"balanced": float(meta["threshold"])} | {k: float(v) for k, v in (meta.get("thresholds") or {}).items()}
+    if choice is None:
+        return named["balanced"], None
+    if isinstance(choice, str):
+        try:
+            choice = float(choice)
+        except ValueError:
+            if choice not in named:
+                raise ConfigError(f"drafter: verifier_threshold {choice!r} is not a number in [0, 1] or one of "
+                                  f"the verifier's operating points: {', '.join(sorted(named))}") from None
+            rule = (meta.get("rolling") or {}).get(choice)
+            if rule is None:
+                return named[choice], None
+            rolling = RollingThreshold(rule["prior"], float(rule["commit"]), int(rule["window"]))
+            return rolling.threshold(), rolling
+    if not 0.0 <= float(choice) <= 1.0:
+        raise ConfigError(f"drafter: verifier_threshold {choice} is not in [0, 1]")
+    return float(choice), None
 
 
 def _path(p: str) -> Any:

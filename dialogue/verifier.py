@@ -389,3 +389,103 @@ def load_verifier(
         raise ModelError(f"relay verifier: cannot load {weights} ({type(exc).__name__}: {exc}); {hint}") from exc
     model.eval()
     return model, threshold, meta
+
+
+def commit_threshold(p: Sequence[float] | torch.Tensor, fraction: float) -> float:
+    """The highest threshold that commits at least `fraction` of the drafts scored `p` (midway to
+    the next lower score, so a score equal to it still commits)."""
+    s = sorted((float(x) for x in torch.as_tensor(p).reshape(-1).tolist()), reverse=True)
+    if not s:
+        return 0.5
+    k = min(len(s) - 1, max(0, math.ceil(fraction * len(s)) - 1))
+    lower = s[k + 1] if k + 1 < len(s) else s[k]
+    return float((s[k] + lower) / 2)
+
+
+class RollingThreshold:
+    """Commit the drafts the verifier scores above the lowest (1 - `commit`) of the latest `window`
+    scores: the verifier picks which drafts to drop, the share dropped stays put however the scores
+    of a population of prompts shift (new prompts score lower than the validation ones). Seeded
+    with `prior` scores (the validation drafts'); shared by the sessions of one engine."""
+
+    def __init__(self, prior: Sequence[float], commit: float, window: int) -> None:
+        import collections
+        import threading
+
+        if not 0.0 < commit <= 1.0 or window < 1:
+            raise ValueError(f"rolling threshold: commit {commit} must be in (0, 1] and window {window} >= 1")
+        self.commit = float(commit)
+        self.window = int(window)
+        self.prior = tuple(float(x) for x in prior)
+        self._scores: collections.deque[float] = collections.deque((float(x) for x in prior), maxlen=self.window)
+        self._lock = threading.Lock()
+
+    def threshold(self) -> float:
+        with self._lock:
+            return commit_threshold(list(self._scores), self.commit) if self._scores else 0.0
+
+    def observe(self, p: float) -> None:
+        with self._lock:
+            self._scores.append(float(p))
+
+
+# -- rules a draft fails whatever its scores (labels and the engine's veto) ---------------------------
+
+
+def is_foreign(text: str) -> bool:
+    """Letters outside Latin (CJK, Cyrillic, ...): not what an English phone service should say."""
+    return any(c.isalpha() and ord(c) > 0x24F for c in text)
+
+
+def is_markup(text: str) -> bool:
+    """Code fences, markdown or line breaks: the system prompt forbids them and TTS cannot say them."""
+    t = text.lstrip()
+    return "`" in t or "\n" in t or t[:1] in ("#", "*", "-", "|", ">") or "**" in t
+
+
+def words(text: str) -> list[str]:
+    """The complete words of `text`, lower case, apostrophes unified."""
+    return [text[a:b].lower().replace("\u2019", "'") for a, b in complete_words(text, ended=True)]
+
+
+def repeats_question(prefix: str, question: str) -> bool:
+    """The prefix echoes the user instead of answering.
+
+    Either it restates the question from its start (its first >= 3 words are the question's first
+    words: "Remind me to take my", "In which film did") or it contains the whole question ("Hey
+    how's it going?"). Turning the question's noun phrase into a statement ("The capital of France
+    is", "The lowest army rank of") is how answers start, so that is left to the slow model's scores.
+    """
+    pw, qw = words(prefix), words(question)
+    if len(pw) < 2 or not qw:
+        return False
+    k = min(len(pw), len(qw))
+    if k >= 3 and pw[:k] == qw[:k]:
+        return True
+    n = len(qw)
+    return n >= 2 and any(pw[i : i + n] == qw for i in range(len(pw) - n + 1))
+
+
+def repeats_previous_answer(prefix: str, previous: str | None) -> bool:
+    """The draft opens with the words the previous answer opened with (>= 2 of them). A small
+    drafter copies an interrupted answer's opening ("The dragon is a" after the caller cut off
+    "The dragon is a fierce and ... " with "stop, what is two plus two?"), and the slow model,
+    continuing it, copies the rest. A follow-up that legitimately starts the same way ("The capital
+    of ...") only loses the draft's head start."""
+    pw, aw = words(prefix), words(previous or "")
+    return len(pw) >= 2 and aw[: len(pw)] == pw
+
+
+def draft_veto(prefix: str, question: str, previous_answer: str | None = None) -> str | None:
+    """Why the engine must not commit this draft whatever the verifier says (None if nothing):
+    another script, markup, an echo of the question, or a repeat of the previous answer's opening."""
+    if is_foreign(prefix):
+        return "foreign"
+    if is_markup(prefix):
+        return "markup"
+    if repeats_question(prefix, question):
+        return "echo"
+    if repeats_previous_answer(prefix, previous_answer):
+        return "repeat"
+    return None
+

@@ -56,7 +56,8 @@ def build_stages(profile: Profile, progress: bool = True) -> Stages:
         asr_chunk=lambda samples, transcribe, final: AsrChunk(samples=samples, transcribe=transcribe, final=final),
         llm_step=lambda messages, max_tokens: RespondStep(messages=messages, max_tokens=max_tokens),
         tts_input=lambda text, final: TtsInput(text=text, final=final),
-        listen_step=(lambda messages, text, slow: ListenStep(messages, text, slow)) if turn else None,
+        # with the relay on, the drafter also prefills the end of the turn after each slice
+        listen_step=(lambda messages, text, slow, relay: ListenStep(messages, text, slow, relay)) if turn else None,
         overlap_step=(lambda text: OverlapStep(text)) if turn else None,
         # the first step decodes until the TTS can speak (its first phrase), not a fixed token count
         respond_step=lambda messages, max_tokens, relay: RespondStep(messages, max_tokens, relay, phrase_words=words),
@@ -89,7 +90,7 @@ def warm_up(stages: Stages) -> dict[str, float]:
     t = time.perf_counter()
     state = stages.llm.init_state()
     if stages.listen_step is not None:
-        stages.llm.step(state, stages.listen_step([], "Hi there", True))
+        stages.llm.step(state, stages.listen_step([], "Hi there", True, None))
     stages.llm.step(state, stages.llm_step([{"role": "user", "content": "Hi there."}], 2))
     times["llm"] = time.perf_counter() - t
     t = time.perf_counter()

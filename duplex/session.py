@@ -78,7 +78,8 @@ class Stages:
     llm_step: Callable[[list[dict[str, str]] | None, int], Any]
     tts_input: Callable[[str, bool], Any]
     # learned turn-taking (dialogue.engine); None: fixed VAD hangover and VAD barge-in
-    listen_step: Callable[[list[dict[str, str]], str, bool], Any] | None = None
+    #: (history, words so far, also prefill the slow model, the session's relay setting)
+    listen_step: Callable[[list[dict[str, str]], str, bool, bool | None], Any] | None = None
     overlap_step: Callable[[str], Any] | None = None
     #: the first step of an answer with the session's relay setting (None: llm_step)
     respond_step: Callable[[list[dict[str, str]] | None, int, bool], Any] | None = None
@@ -670,7 +671,7 @@ class SessionCore:
                 # at a pause the decision is urgent: only the drafter reads; the slow model catches up
                 # in the answer's first step (while they talk, both read slice by slice)
                 self._submit("llm", "llm.listen", self._llm_state,
-                             self.stages.listen_step(list(self.history), text, not at_pause),
+                             self.stages.listen_step(list(self.history), text, not at_pause, self.options.relay),
                              self.budgets["llm.step"], tag=("listen", sid, covered, at_pause, text))
             return
         if not resp.llm_started:
@@ -711,6 +712,8 @@ class SessionCore:
         relay = getattr(out, "relay", None)
         if relay is not None and job.label == "llm.first":
             resp.relay = {"committed": bool(relay.committed), "p": round(float(relay.p_accept), 3),
+                          "threshold": round(float(getattr(relay, "threshold", 0.5)), 3),
+                          "veto": getattr(relay, "veto", None),
                           "draft": relay.draft, "draft_ms": round(1000 * relay.draft_s, 1)}
         if delta:
             resp.marks.setdefault("first_llm_token", self.clock())

@@ -273,6 +273,7 @@ class FakeListenStep:
     messages: list[dict[str, str]]
     text: str
     prefill_slow: bool = True
+    preclose: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,95 @@ def test_relay_commits_or_discards_the_draft_and_the_slow_model_continues(tokeni
         assert text == slow_only  # a discarded draft leaves no trace in the answer
 
 
+@pytest.mark.parametrize("force", [True, False])
+def test_evaluation_can_force_the_relay_decision(tokenizer, force):
+    slow, drafter = tiny("qwen2", len(tokenizer), 4), tiny("llama", len(tokenizer), 5)
+    # the verifier's score would commit (0.9) or discard (0.1): the forced decision wins either way
+    for p in (0.9, 0.1):
+        stage = DialogueStage(slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12), drafter,
+                              tokenizer, DrafterOptions(draft_words=3), _Heads(), None, _Verifier(p), 0.5)
+        state = stage.init_state()
+        msgs = [{"role": "user", "content": "what is the capital of france"}]
+        out, state = stage.step(state, RespondStep(msgs, 4, commit=force))
+        assert out.relay is not None and out.relay.p_accept == pytest.approx(p)
+        assert out.relay.committed == (force and bool(out.relay.draft.strip()))
+
+
+def test_a_vetoed_draft_is_not_committed_whatever_its_score(tokenizer, monkeypatch):
+    import dialogue.verifier as V
+
+    seen = []
+
+    def veto(prefix, question, previous=None):
+        seen.append((prefix, question, previous))
+        return "repeat"
+
+    monkeypatch.setattr(V, "draft_veto", veto)
+    slow, drafter = tiny("qwen2", len(tokenizer), 4), tiny("llama", len(tokenizer), 5)
+    stage = DialogueStage(slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12), drafter, tokenizer,
+                          DrafterOptions(draft_words=3), _Heads(), None, _Verifier(0.99), 0.5)
+    history = [{"role": "user", "content": "tell me a story"}, {"role": "assistant", "content": "The dragon is a"},
+               {"role": "user", "content": "stop what is two plus two"}]
+    out, state = stage.step(stage.init_state(), RespondStep(history, 4))
+    assert out.relay.veto == "repeat" and not out.relay.committed and out.relay.p_accept == pytest.approx(0.99)
+    # judged on the draft, the caller's last words and the answer they cut off
+    assert seen == [(prefix_text_of(out.relay), "stop what is two plus two", "The dragon is a")]
+    # the evaluation's forced commit still commits it (the veto is the engine's decision)
+    out, _ = stage.step(stage.init_state(), RespondStep(history, 4, commit=True))
+    assert out.relay.committed
+
+
+def prefix_text_of(info) -> str:
+    from dialogue.verifier import prefix_text
+
+    return prefix_text(info.draft, ended=info.ended, max_words=3)
+
+
+def test_a_rolling_operating_point_judges_each_draft_against_recent_scores(tokenizer):
+    from dialogue.verifier import RollingThreshold
+
+    slow, drafter = tiny("qwen2", len(tokenizer), 4), tiny("llama", len(tokenizer), 5)
+    stage = DialogueStage(slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12), drafter, tokenizer,
+                          DrafterOptions(draft_words=3), _Heads(), None, _Verifier(0.9), 0.5)
+    # recent drafts all scored 0.95: a 0.9 is in their bottom share, so it is discarded ...
+    stage.rolling_threshold = RollingThreshold([0.95] * 10, commit=0.8, window=10)
+    msgs = [{"role": "user", "content": "what is the capital of france"}]
+    decisions = []
+    for _ in range(4):
+        out, _ = stage.step(stage.init_state(), RespondStep(msgs, 4))
+        decisions.append(out.relay.committed)
+        assert out.relay.threshold <= 0.95
+    # ... until the window's 8th best score (80 % committed) is a 0.9 itself: the rule keeps a share
+    # committed, not a number
+    assert decisions == [False, False, False, True]
+    # forced decisions (evaluation) leave the window alone
+    before = stage.rolling_threshold.threshold()
+    stage.step(stage.init_state(), RespondStep(msgs, 4, commit=True))
+    assert stage.rolling_threshold.threshold() == before
+
+
+def test_preclose_prefills_the_turn_end_so_the_draft_starts_at_once(tokenizer):
+    slow, drafter = tiny("qwen2", len(tokenizer), 4), tiny("llama", len(tokenizer), 5)
+    msgs = [{"role": "user", "content": "what is the capital of france"}]
+    drafts, listens = [], []
+    for preclose in (False, True):
+        stage = DialogueStage(slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12), drafter,
+                              tokenizer, DrafterOptions(draft_words=3), _Heads(), None, _Verifier(0.9), 0.5)
+        state = stage.init_state()
+        # slice by slice: each slice rolls back the previous slice's pre-closed turn end
+        for text in ("what is", "what is the capital", "what is the capital of france"):
+            listens.append(stage.step(state, ListenStep([], text, preclose=preclose))[0].probs)
+        n_before = len(state.drafter.cache.ids)
+        out, state = stage.step(state, RespondStep(msgs, 4))
+        drafts.append(out.relay.draft)
+        if preclose:
+            # nothing left to prefill: the draft's first token came from the cached header logits
+            gen = stage.drafter.renderer.generation_ids
+            assert state.drafter.cache.ids[n_before - len(gen) : n_before] == gen
+    assert drafts[0] == drafts[1] and drafts[0]
+    assert listens[:3] == listens[3:]  # the heads read the open turn either way
+
+
 def stage_prefix(state) -> str:
     return state.prefix
 

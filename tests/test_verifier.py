@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dialogue import train_verifier as T
+from dialogue import verifier as V
 from dialogue.verifier import (
     DEFAULT_WEIGHTS,
     MAX_DRAFT_TOKENS,
@@ -200,6 +201,48 @@ def test_auroc_and_threshold() -> None:
     assert 0.2 < thr < 0.8 and T.classify_metrics([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1], thr)["macro_f1"] == 1.0
 
 
+def test_commit_threshold_commits_the_asked_share() -> None:
+    p = [i / 100 for i in range(100)]
+    for fraction in (0.5, 0.9, 0.95, 1.0):
+        t = V.commit_threshold(p, fraction)
+        assert sum(x >= t for x in p) == round(100 * fraction)
+    assert V.commit_threshold([0.7, 0.7, 0.7], 0.5) <= 0.7  # ties all commit
+
+
+def test_the_engine_never_commits_what_no_score_can_excuse() -> None:
+    from dialogue.verifier import draft_veto
+
+    assert draft_veto("The dragon is a", "Stop. What is two plus two?", "The dragon is a fierce and") == "repeat"
+    assert draft_veto("What is the capital", "what is the capital of France", None) == "echo"
+    assert draft_veto("\u4f60\u597d", "hi", None) == "foreign" and draft_veto("**Sure**", "hi") == "markup"
+    # a new answer may share one opening word with the last one, and follow-ups are not echoes
+    assert draft_veto("Sure, I can", "book a table", "Sure! What time?") is None
+    assert draft_veto("Two plus two", "what is two plus two", "The dragon is a fierce and") is None
+    assert draft_veto("The capital of", "and of Germany?", "The capital of France is Paris.") == "repeat"
+
+
+def test_named_operating_points() -> None:
+    from dialogue.engine import verifier_operating_point
+    from duplex.config import ConfigError
+
+    meta = {"threshold": 0.8, "thresholds": {"latency": 0.2, "strict": 0.95}}
+    assert verifier_operating_point(meta, None) == verifier_operating_point(meta, "balanced") == (0.8, None)
+    assert verifier_operating_point(meta, "strict") == (0.95, None)
+    assert verifier_operating_point(meta, 0.5) == verifier_operating_point(meta, "0.5") == (0.5, None)
+    # a rolling point keeps the share committed: scores drifting down move its threshold with them
+    meta["rolling"] = {"latency": {"commit": 0.9, "window": 20, "prior": [i / 20 for i in range(20)]}}
+    thr, rolling = verifier_operating_point(meta, "latency")
+    assert isinstance(rolling, V.RollingThreshold) and thr == pytest.approx(0.075)
+    for i in range(20):
+        rolling.observe(0.5 * i / 20)
+    assert rolling.threshold() == pytest.approx(0.0375)
+    assert sum(0.5 * i / 20 >= rolling.threshold() for i in range(20)) == 18
+    with pytest.raises(ConfigError, match="balanced, latency"):
+        verifier_operating_point(meta, "fast")
+    with pytest.raises(ConfigError, match="not in"):
+        verifier_operating_point(meta, 1.5)
+
+
 def _synthetic(n: int, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """Separable by a direction in hidden space and by the log-prob statistic, variable lengths."""
     g = torch.Generator().manual_seed(seed)
@@ -290,6 +333,9 @@ def test_shipped_weights_and_metadata() -> None:
     assert "label 1 iff" in meta["label_rule"] and 0 < meta["acceptance"]["epsilon"] < 1
     ho = meta["heldout"]
     assert ho["n"] > 0 and 0.5 < ho["auroc"] <= 1.0 and 0.0 <= ho["commit_fraction"] <= 1.0
+    # the latency point commits more drafts than the balanced one
+    assert 0.0 < meta["thresholds"]["latency"] < thr
+    assert ho["latency"]["commit_fraction"] > ho["commit_fraction"]
     assert meta["data"]["prompts"] >= 1000 and meta["params"] <= 170_000
     assert sum(x.numel() for x in model.parameters()) == meta["params"]
     p = model(torch.randn(2, 4, 576), torch.randn(2, 4, 3), torch.ones(2, 4))
