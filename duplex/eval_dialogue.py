@@ -12,6 +12,10 @@ training never saw (`dialogue/data/turn_eval.jsonl`, `dialogue/data/relay_eval.j
    turn -> first audio chunk from the TTS, after the user's words were prefilled slice by slice as
    in the live service), fraction of drafts committed, verifier AUROC against the slow model's own
    judgement of each draft, and answer quality judged by the slow model (the same judge for both).
+   Each prompt is answered three times: slow-only, with its draft committed, with it discarded; the
+   relay at any verifier threshold is, prompt by prompt, one of the last two, so one pass gives every
+   operating point (reported: the engine's, the verifier's named ones, and the sweep in the plot).
+   The judge's floor is measured too: each prompt graded with the answer to another prompt.
 """
 
 from __future__ import annotations
@@ -147,20 +151,23 @@ def eval_turns_speech(stage: Any, asr: Any, examples: list[dict[str, Any]], n: i
 # -- 3: relay versus slow-only -------------------------------------------------------------------
 
 
-def run_answer(stage: Any, tts: Any, history: list[dict[str, str]], text: str, relay: bool) -> dict[str, Any]:
+def run_answer(stage: Any, tts: Any, history: list[dict[str, str]], text: str, relay: bool,
+               commit: bool | None = None) -> dict[str, Any]:
     """One answer as the live service gives it: listen (prefill), then respond until the TTS has
-    the first audio (onset), then to the end."""
+    the first audio (onset), then to the end. `commit` forces the relay's decision (None: the
+    verifier decides)."""
     from dialogue.engine import ListenStep, RespondStep
     from tts.hibari_tts import TtsInput
     from tts.phrases import first_phrase_ready
 
     words = int(getattr(getattr(tts, "segmenter", None), "first_phrase_words", 3))
     state = stage.init_state()
-    stage.step(state, ListenStep(history, text))  # the time-sliced prefill while the user spoke
+    # the time-sliced prefill while the user spoke (with the relay, the drafter pre-closes the turn)
+    stage.step(state, ListenStep(history, text, preclose=relay))
     msgs = history + [{"role": "user", "content": text}]
     opts = stage.slow_options
     t0 = time.perf_counter()
-    out, state = stage.step(state, RespondStep(msgs, opts.first_step_tokens, relay, phrase_words=words))
+    out, state = stage.step(state, RespondStep(msgs, opts.first_step_tokens, relay, commit, phrase_words=words))
     info = out.relay
     answer, pending = out.text, out.text
     tts_state = tts.init_state()
@@ -182,26 +189,37 @@ def run_answer(stage: Any, tts: Any, history: list[dict[str, str]], text: str, r
         "answer": answer.strip(), "onset_s": onset, "total_s": time.perf_counter() - t0,
         "committed": bool(info.committed) if info else False, "p": float(info.p_accept) if info else None,
         "draft": info.draft if info else "", "prefix": info.prefix if info else "",
+        "veto": info.veto if info else None,
     }
+
+
+def _judge_probs(stage: Any, content: str, answers: Sequence[str]) -> Any:
+    """The slow model's next-token distribution over `answers` (single tokens) after `content`."""
+    import torch
+
+    from dialogue.fast_decoder import decoder_hidden
+
+    model = stage.slow.lm.model
+    tok = stage.slow_tokenizer
+    msgs = [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": content}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    options = [tok.convert_tokens_to_ids(a) for a in answers]
+    with torch.inference_mode():
+        logits = model.lm_head(decoder_hidden(model, list(ids))[:, -1])[0].float()
+    return torch.softmax(logits[options], dim=-1)
+
+
+def _context(history: list[dict[str, str]]) -> str:
+    context = "".join(f"{'Caller' if m['role'] == 'user' else 'Assistant'}: {m['content']}\n" for m in history[-4:])
+    return f"Earlier in the call:\n{context}\n" if context else ""
 
 
 def judge(stage: Any, history: list[dict[str, str]], text: str, answer: str) -> float:
     """Expected grade 1..9 from the slow model's next-token distribution over the digits."""
     import torch
 
-    model = stage.slow.lm.model
-    tok = stage.slow_tokenizer
-    context = "".join(f"{'Caller' if m['role'] == 'user' else 'Assistant'}: {m['content']}\n" for m in history[-4:])
-    context = f"Earlier in the call:\n{context}\n" if context else ""
-    msgs = [{"role": "system", "content": JUDGE_SYSTEM},
-            {"role": "user", "content": JUDGE_PROMPT.format(context=context, text=text, answer=answer or "(silence)")}]
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    digits = [tok.convert_tokens_to_ids(str(d)) for d in range(1, 10)]
-    from dialogue.fast_decoder import decoder_hidden
-
-    with torch.inference_mode():
-        logits = model.lm_head(decoder_hidden(model, list(ids))[:, -1])[0].float()
-    p = torch.softmax(logits[digits], dim=-1)
+    content = JUDGE_PROMPT.format(context=_context(history), text=text, answer=answer or "(silence)")
+    p = _judge_probs(stage, content, [str(d) for d in range(1, 10)])
     return float((p * torch.arange(1, 10, dtype=torch.float32)).sum())
 
 
@@ -214,24 +232,37 @@ def auroc(scores: Sequence[float], labels: Sequence[int]) -> float:
     return wins / (len(pos) * len(neg))
 
 
-def eval_relay(stage: Any, tts: Any, prompts: list[dict[str, Any]], progress: bool) -> dict[str, Any]:
+#: the three runs per prompt: slow model alone, the draft committed whatever the verifier says, the
+#: draft discarded whatever it says. The relay at any verifier threshold is, prompt by prompt, the
+#: committed or the discarded run, so one pass measures every operating point.
+VARIANTS = ("slow", "commit", "discard")
+_FORCE = {"slow": None, "commit": True, "discard": False}
+
+
+def eval_relay(stage: Any, tts: Any, prompts: list[dict[str, Any]], progress: bool) -> list[dict[str, Any]]:
     from tqdm.auto import tqdm
 
     rows = []
     for i, pr in enumerate(tqdm(prompts, desc="relay vs slow-only", disable=not progress)):
         history = [dict(m) for m in pr.get("history") or []]
         text = pr["text"]
-        order = (True, False) if i % 2 == 0 else (False, True)
-        res = {}
-        for relay in order:
-            res[relay] = run_answer(stage, tts, history, text, relay)
-        for relay in (True, False):
-            res[relay]["quality"] = judge(stage, history, text, res[relay]["answer"])
-        label = None
-        if res[True]["draft"]:
-            label = int(_slow_accepts(stage, history, text, res[True]))
-        rows.append({"text": text, "history": history, "relay": res[True], "slow": res[False], "label": label})
-    return summarise_relay(rows)
+        k = i % len(VARIANTS)  # rotate which goes first, so warm caches favour none
+        res = {v: run_answer(stage, tts, history, text, v != "slow", _FORCE[v])
+               for v in VARIANTS[k:] + VARIANTS[:k]}
+        slow = res["slow"]
+        slow["quality"] = judge(stage, history, text, slow["answer"])
+        for v in ("commit", "discard"):
+            same = res[v]["answer"] == slow["answer"]
+            res[v]["quality"] = slow["quality"] if same else judge(stage, history, text, res[v]["answer"])
+        label = int(_slow_accepts(stage, history, text, res["commit"])) if res["commit"]["draft"] else None
+        rows.append({"text": text, "history": history, "p": res["commit"]["p"], "label": label}
+                    | {v: res[v] for v in VARIANTS})
+    # the judge's floor: each prompt graded with the slow model's answer to the next prompt (fluent,
+    # on no topic of this call), so a quality ratio can be read against what a wrong answer scores
+    for i, row in enumerate(rows):
+        other = rows[(i + 1) % len(rows)]["slow"]["answer"]
+        row["mismatched_quality"] = judge(stage, row["history"], row["text"], other) if len(rows) > 1 else None
+    return rows
 
 
 def _slow_accepts(stage: Any, history: list[dict[str, str]], text: str, r: dict[str, Any]) -> bool:
@@ -263,15 +294,46 @@ def _verifier_meta() -> dict[str, Any]:
     return load_verifier()[2]
 
 
-def summarise_relay(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    on_r = [r["relay"]["onset_s"] * 1000 for r in rows]
+#: an operating point: a fixed threshold, or a rolling rule {commit, window, prior} (verifier.RollingThreshold)
+Point = float | dict[str, Any]
+
+
+def thresholds_for(rows: list[dict[str, Any]], point: Point) -> list[float]:
+    """The threshold each prompt meets at `point`: a rolling rule is replayed over the prompts in
+    the order they were answered, each draft's score joining the window after its decision."""
+    if not isinstance(point, dict):
+        return [float(point)] * len(rows)
+    from dialogue.verifier import RollingThreshold
+
+    rolling = RollingThreshold(point["prior"], float(point["commit"]), int(point["window"]))
+    out = []
+    for r in rows:
+        out.append(rolling.threshold())
+        if r["p"] is not None and r["commit"]["committed"]:  # a draft with a prefix to judge
+            rolling.observe(float(r["p"]))
+    return out
+
+
+def relay_run(row: dict[str, Any], threshold: float) -> dict[str, Any]:
+    """What the relay does for this prompt at `threshold`: the committed run or the discarded one."""
+    c = row["commit"]
+    ok = c["committed"] and not c.get("veto") and row["p"] is not None and row["p"] >= threshold
+    return c if ok else row["discard"]
+
+
+def at_threshold(rows: list[dict[str, Any]], point: Point) -> dict[str, Any]:
+    """Relay versus slow-only with the verifier at `point`."""
+    ts = thresholds_for(rows, point)
+    threshold = float(np.mean(ts)) if ts else float("nan")
+    runs = [relay_run(r, t) for r, t in zip(rows, ts, strict=True)]
+    on_r = [x["onset_s"] * 1000 for x in runs]
     on_s = [r["slow"]["onset_s"] * 1000 for r in rows]
-    q_r = [r["relay"]["quality"] for r in rows]
+    q_r = [x["quality"] for x in runs]
     q_s = [r["slow"]["quality"] for r in rows]
-    labelled = [(r["relay"]["p"], r["label"]) for r in rows if r["label"] is not None and r["relay"]["p"] is not None]
-    committed = [r["relay"]["committed"] for r in rows]
+    committed = [x["committed"] for x in runs]
     return {
-        "n": len(rows),
+        "threshold": threshold,  # the mean, for a rolling point
+        "rolling": isinstance(point, dict),
         "onset_ms": {
             "relay": {"p50": percentile(on_r, 50), "p90": percentile(on_r, 90)},
             "slow_only": {"p50": percentile(on_s, 50), "p90": percentile(on_s, 90)},
@@ -280,9 +342,55 @@ def summarise_relay(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "quality": {"relay": float(np.mean(q_r)) if q_r else float("nan"),
                     "slow_only": float(np.mean(q_s)) if q_s else float("nan")},
         "quality_ratio": float(np.mean(q_r) / np.mean(q_s)) if q_s and np.mean(q_s) > 0 else float("nan"),
+        # how much of the judge's range between a mismatched answer and slow-only the relay keeps
+        "quality_kept": _kept(np.mean(q_r) if q_r else float("nan"), np.mean(q_s) if q_s else float("nan"),
+                              [r.get("mismatched_quality") for r in rows]),
+        "answers_changed": sum(x["answer"] != r["slow"]["answer"] for x, r in zip(runs, rows, strict=True)),
         "committed_fraction": sum(committed) / len(committed) if committed else float("nan"),
+    }
+
+
+def operating_points(stage: Any) -> dict[str, Point]:
+    """The verifier's named operating points (stored with its weights) and the one the engine runs."""
+    meta = getattr(stage, "verifier_meta", None) or {}
+    points: dict[str, Point] = {"balanced": float(meta["threshold"])} if "threshold" in meta else {}
+    rolling_rules = meta.get("rolling") or {}
+    # a rolling point's starting threshold, held fixed: what the rolling rule buys
+    points |= {(f"{k}-fixed" if k in rolling_rules else k): float(v) for k, v in (meta.get("thresholds") or {}).items()}
+    points |= {k: dict(v) for k, v in rolling_rules.items()}
+    rolling = getattr(stage, "rolling_threshold", None)
+    engine: Point = float(stage.verifier_threshold)
+    if rolling is not None:
+        engine = {"commit": rolling.commit, "window": rolling.window, "prior": list(rolling.prior)}
+    return points | {"engine": engine}
+
+
+def _kept(q_relay: float, q_slow: float, floor: Sequence[float | None]) -> float:
+    f = [x for x in floor if x is not None]
+    if not f or not q_slow - np.mean(f) > 0:
+        return float("nan")
+    return float((q_relay - np.mean(f)) / (q_slow - np.mean(f)))
+
+
+def summarise_relay(rows: list[dict[str, Any]], threshold: Point,
+                    points: dict[str, Point] | None = None) -> dict[str, Any]:
+    """The relay at the engine's threshold, at the verifier's named operating points, and the sweep
+    over every threshold that changes a decision (for the plot)."""
+    labelled = [(r["p"], r["label"]) for r in rows if r["label"] is not None and r["p"] is not None]
+    cuts = sorted({0.0, 1.01} | {float(r["p"]) for r in rows if r["p"] is not None})
+    floor = [r["mismatched_quality"] for r in rows if r.get("mismatched_quality") is not None]
+
+    def with_decisions(point: Point) -> dict[str, Any]:
+        ts = thresholds_for(rows, point)
+        return at_threshold(rows, point) | {"decisions": [relay_run(r, t) is r["commit"] for r, t in zip(rows, ts, strict=True)]}
+
+    return with_decisions(threshold) | {
+        "n": len(rows),
+        "quality_mismatched": float(np.mean(floor)) if floor else float("nan"),
         "verifier_auroc": auroc([p for p, _ in labelled], [y for _, y in labelled]),
         "n_labelled": len(labelled),
+        "operating_points": {name: with_decisions(t) for name, t in (points or {}).items()},
+        "sweep": [at_threshold(rows, t) for t in cuts],
         "rows": rows,
     }
 
@@ -310,15 +418,22 @@ def report(results: dict[str, Any]) -> str:
             lines.append(f"  backchannel vs interruption accuracy {fmt_pct(m['overlap_accuracy'])}  (n={m['n_overlap']})")
     r = results.get("relay")
     if r:
-        o = r["onset_ms"]
-        lines.append(f"relay vs slow-only (n={r['n']} prompts, same run, alternating order):")
-        lines.append(f"  onset P50/P90 ms  relay {o['relay']['p50']:.0f}/{o['relay']['p90']:.0f}"
-                     f"   slow-only {o['slow_only']['p50']:.0f}/{o['slow_only']['p90']:.0f}"
-                     f"   P90 ratio {r['p90_ratio']:.2f} (target <= 0.50)")
-        lines.append(f"  quality (judge: slow model, 1-9) relay {r['quality']['relay']:.2f}  slow-only "
-                     f"{r['quality']['slow_only']:.2f}  ratio {fmt_pct(r['quality_ratio'])} (target >= 95 %)")
-        lines.append(f"  drafts committed {fmt_pct(r['committed_fraction'])}; verifier AUROC {r['verifier_auroc']:.3f}"
-                     f" (n={r['n_labelled']} labelled by the slow model)")
+        lines.append(f"relay vs slow-only (n={r['n']} prompts, same run; each prompt answered slow-only, with its "
+                     f"draft committed and with it discarded):")
+        lines.append(f"  verifier AUROC {r['verifier_auroc']:.3f} (n={r['n_labelled']} drafts labelled by the slow model)")
+        pts = [("engine", r)] + list(r.get("operating_points", {}).items())
+        for name, m in pts:
+            o = m["onset_ms"]
+            thr = f"rolling threshold (mean {m['threshold']:.3f})" if m.get("rolling") else f"threshold {m['threshold']:.3f}"
+            lines.append(
+                f"  {name:9s} {thr}: committed {fmt_pct(m['committed_fraction'])}; onset "
+                f"P50/P90 relay {o['relay']['p50']:.0f}/{o['relay']['p90']:.0f} ms vs slow-only "
+                f"{o['slow_only']['p50']:.0f}/{o['slow_only']['p90']:.0f} ms, P90 ratio {m['p90_ratio']:.2f} "
+                f"(target <= 0.50); quality {m['quality']['relay']:.2f} vs {m['quality']['slow_only']:.2f} "
+                f"= {fmt_pct(m['quality_ratio'])} (target >= 95 %), {fmt_pct(m['quality_kept'])} of the range above "
+                f"a mismatched answer kept; {m['answers_changed']} answers differ from slow-only")
+        lines.append(f"  (the judge grades the slow model's answer to another prompt {r['quality_mismatched']:.2f}: "
+                     f"the floor of its range)")
     return "\n".join(lines)
 
 
@@ -328,19 +443,42 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     r = results.get("relay")
-    ax = axes[0]
     if r and r["rows"]:
-        for key, label in (("relay", "relay"), ("slow", "slow-only")):
-            xs = sorted(row[key]["onset_s"] * 1000 for row in r["rows"])
-            ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=f"{label} (n={len(xs)})")
+        ax = axes[0]
+        rows = r["rows"]
+        curves = [("slow-only", [row["slow"] for row in rows])]
+        for name, m in sorted((r.get("operating_points") or {}).items()):
+            runs = [row["commit"] if d else row["discard"] for row, d in zip(rows, m["decisions"], strict=True)]
+            curves.append((f"relay, {name} ({fmt_pct(m['committed_fraction'])} committed)", runs))
+        for label, runs in curves:
+            xs = sorted(x["onset_s"] * 1000 for x in runs)
+            ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=f"{label}, n={len(xs)}")
+        ax.axhline(0.9, color="grey", ls=":", lw=1)
         ax.set_xlabel("onset: end of turn -> first TTS audio (ms)")
         ax.set_ylabel("fraction of answers")
         ax.set_title("relay vs slow-only onset")
-        ax.legend()
+        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    ax = axes[1]
+        ax = axes[1]
+        sw = sorted(r["sweep"], key=lambda m: m["committed_fraction"])
+        cf = [100 * m["committed_fraction"] for m in sw]
+        ax.plot(cf, [m["p90_ratio"] for m in sw], color="#1f77b4", label="onset P90 ratio (relay / slow)")
+        ax.plot(cf, [m["quality_ratio"] for m in sw], color="#2ca02c", label="quality ratio (grades)")
+        ax.plot(cf, [m["quality_kept"] for m in sw], color="#9467bd", ls="--",
+                label="quality kept above a mismatched answer")
+        ax.axhline(0.5, color="#1f77b4", ls=":", lw=1)
+        ax.axhline(0.95, color="#2ca02c", ls=":", lw=1)
+        for name, m in (r.get("operating_points") or {}).items():
+            ax.axvline(100 * m["committed_fraction"], color="grey", lw=0.8)
+            ax.text(100 * m["committed_fraction"], 1.3, name, rotation=90, fontsize=7, va="top")
+        ax.set_ylim(0, 1.4)
+        ax.set_xlabel("drafts committed (%), every verifier threshold")
+        ax.set_title("the verifier's trade-off (targets dotted)")
+        ax.legend(fontsize=7, loc="lower left")
+        ax.grid(alpha=0.3)
+    ax = axes[2]
     names, vals = [], []
     for key, tag in (("turn_text", "text"), ("turn_speech", "speech")):
         m = results.get(key)
@@ -412,7 +550,9 @@ def run(args: argparse.Namespace) -> int:
         prompts = read_jsonl(DATA / "relay_eval.jsonl")
         random.Random(args.seed).shuffle(prompts)
         t = time.perf_counter()
-        results["relay"] = eval_relay(stage, tts, prompts[: args.relay_prompts], progress)
+        rows = eval_relay(stage, tts, prompts[: args.relay_prompts], progress)
+        points = operating_points(stage)
+        results["relay"] = summarise_relay(rows, points.pop("engine"), points)
         results["relay"]["seconds"] = round(time.perf_counter() - t, 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

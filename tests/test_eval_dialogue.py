@@ -42,17 +42,35 @@ def test_auroc_and_first_phrase():
     assert not first_phrase_ready("Dr. ", done=False)  # an abbreviation does not end a phrase
 
 
-def test_relay_summary_ratios_and_report():
+def _run(onset: float, quality: float, committed: bool = False, answer: str = "a") -> dict:
+    return {"onset_s": onset, "quality": quality, "committed": committed, "answer": answer}
+
+
+def test_relay_at_any_threshold_is_the_committed_or_the_discarded_run():
     rows = []
     for i in range(10):
         rows.append({
-            "relay": {"onset_s": 0.1 + 0.01 * i, "quality": 6.0, "committed": i % 2 == 0, "p": i / 10},
-            "slow": {"onset_s": 0.3 + 0.01 * i, "quality": 6.0},
-            "label": int(i >= 5),
+            "p": i / 10, "label": int(i >= 5),
+            "slow": _run(0.3 + 0.01 * i, 6.0),
+            "commit": _run(0.05, 5.0, committed=True, answer="b"),
+            "discard": _run(0.35 + 0.01 * i, 6.0),
+            "mismatched_quality": 4.0,
         })
-    r = summarise_relay(rows)
-    assert r["n"] == 10 and r["committed_fraction"] == 0.5
-    assert r["quality_ratio"] == pytest.approx(1.0) and r["verifier_auroc"] == 1.0
+    r = summarise_relay(rows, threshold=0.45, points={"latency": 0.0})
+    assert r["n"] == 10 and r["committed_fraction"] == 0.5 and r["verifier_auroc"] == 1.0
+    # the five drafts scored >= 0.45 commit: their onset and grade are the committed run's
+    assert r["onset_ms"]["relay"]["p50"] == pytest.approx(0.5 * (50 + 350))
+    assert r["quality_ratio"] == pytest.approx(5.5 / 6.0)
+    # half the prompts lose a whole grade of the 2 between the mismatched floor (4) and slow-only (6)
+    assert r["quality_kept"] == pytest.approx(0.75) and r["answers_changed"] == 5
     assert r["p90_ratio"] == pytest.approx(r["onset_ms"]["relay"]["p90"] / r["onset_ms"]["slow_only"]["p90"])
+    lat = r["operating_points"]["latency"]
+    assert lat["committed_fraction"] == 1.0 and lat["p90_ratio"] == pytest.approx(50 / 381)
+    # the sweep holds every threshold that changes a decision, from none committed to all
+    fractions = sorted(m["committed_fraction"] for m in r["sweep"])
+    assert fractions[0] == 0.0 and fractions[-1] == 1.0 and len(r["sweep"]) == 11  # p = 0.0 is one of them
+    # a draft the drafter could not make (nothing committed even when forced) stays slow
+    rows[9]["commit"]["committed"] = False
+    assert summarise_relay(rows, threshold=0.0)["committed_fraction"] == 0.9
     text = report({"relay": r, "turn_text": turn_metrics([(0, 0), (2, 2)]) | {"n_overlap": 0}})
-    assert "P90 ratio" in text and "pause takeover" in text
+    assert "P90 ratio" in text and "pause takeover" in text and "latency" in text
