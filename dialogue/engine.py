@@ -425,9 +425,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             p = float(self.verifier(hs, st, mask)[0])
             if rolling is not None and force is None:
                 rolling.observe(p)
-        question = next((m["content"] for m in reversed(msgs) if m.get("role") == "user"), "")
-        previous = next((m["content"] for m in reversed(msgs) if m.get("role") == "assistant"), None)
-        veto = draft_veto(prefix, question, previous) if prefix.strip() else None
+        veto = draft_veto(prefix, previous_answer(msgs)) if prefix.strip() else None
         committed = bool(prefix.strip()) and (p >= thr and veto is None if force is None else force)
         return RelayInfo(draft, prefix if committed else "", p, committed, time.perf_counter() - t0, ended, thr,
                          veto)
@@ -496,6 +494,11 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             out, state = self.step(state, RespondStep(None, self.slow_options.step_tokens))
             parts.append(out.text)
         return "".join(parts), info
+
+
+def previous_answer(messages: list[dict[str, str]]) -> str | None:
+    """The last assistant message (what the caller heard of it), if any."""
+    return next((m["content"] for m in reversed(messages) if m.get("role") == "assistant"), None)
 
 
 def _normalized(messages: list[dict[str, str]]) -> list[dict[str, str]]:

@@ -476,15 +476,15 @@ def repeats_previous_answer(prefix: str, previous: str | None) -> bool:
     return len(pw) >= 2 and aw[: len(pw)] == pw
 
 
-def draft_veto(prefix: str, question: str, previous_answer: str | None = None) -> str | None:
+def draft_veto(prefix: str, previous_answer: str | None = None) -> str | None:
     """Why the engine must not commit this draft whatever the verifier says (None if nothing):
-    another script, markup, an echo of the question, or a repeat of the previous answer's opening."""
+    another script, markup, or a repeat of the previous answer's opening. (An echo of the question,
+    a negative label in training, is not vetoed: "Good evening!" to "good evening" and "Saudi Arabia
+    imports ..." are the slow model's own openings too.)"""
     if is_foreign(prefix):
         return "foreign"
     if is_markup(prefix):
         return "markup"
-    if repeats_question(prefix, question):
-        return "echo"
     if repeats_previous_answer(prefix, previous_answer):
         return "repeat"
     return None

@@ -29,6 +29,7 @@ import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -508,11 +509,50 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--text", type=int, default=0, help="limit the held-out text examples (0 = all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="eval-out", help="folder for dialogue.json and dialogue.png")
+    ap.add_argument("--resummarise", metavar="JSON", default=None,
+                    help="run no model: recompute a previous run's relay summaries (its stored runs) with the "
+                         "current operating points and veto rules, and rewrite the report and plot in --out")
     ap.add_argument("--no-progress", action="store_true")
+
+
+def resummarise(path: Path, profile_name: str | None) -> dict[str, Any]:
+    """A previous run's results with its relay rows re-judged: the veto recomputed for each stored
+    draft (`verifier.draft_veto`) and the operating points of the profile's verifier."""
+    from dialogue.engine import DrafterOptions, previous_answer, verifier_operating_point
+    from dialogue.verifier import draft_veto, load_verifier
+    from duplex.config import load_profile
+
+    results = json.loads(path.read_text())
+    if not (results.get("relay") or {}).get("rows"):
+        raise SystemExit(f"eval dialogue: {path} holds no relay rows to re-summarise")
+    rows = results["relay"]["rows"]
+    for r in rows:
+        c = r["commit"]
+        msgs = r["history"] + [{"role": "user", "content": r["text"]}]
+        c["veto"] = draft_veto(c["prefix"], previous_answer(msgs)) if c["prefix"].strip() else None
+    drafter = load_profile(profile_name).components.get("drafter")
+    opts = DrafterOptions.from_mapping(drafter.options if drafter is not None else {})
+    _, _, meta = load_verifier(None if opts.verifier == "shipped" else Path(opts.verifier).expanduser())
+    stage = SimpleNamespace(verifier_meta=meta, verifier_threshold=0.0, rolling_threshold=None)
+    stage.verifier_threshold, stage.rolling_threshold = verifier_operating_point(meta, opts.verifier_threshold)
+    points = operating_points(stage)
+    results["relay"] = summarise_relay(rows, points.pop("engine"), points)
+    results["resummarised"] = time.strftime("%Y-%m-%d %H:%M")
+    return results
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    if args.resummarise:
+        results = resummarise(Path(args.resummarise), args.profile)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "dialogue.json").write_text(json.dumps(results, indent=1, default=float))
+        plot(results, out / "dialogue.png")
+        print(report(results))
+        print(f"wrote {out / 'dialogue.json'} and {out / 'dialogue.png'}")
+        return 0
 
     from asr.moonshine import load_asr_stage
     from dialogue.engine import load_dialogue_stage

@@ -74,3 +74,22 @@ def test_relay_at_any_threshold_is_the_committed_or_the_discarded_run():
     assert summarise_relay(rows, threshold=0.0)["committed_fraction"] == 0.9
     text = report({"relay": r, "turn_text": turn_metrics([(0, 0), (2, 2)]) | {"n_overlap": 0}})
     assert "P90 ratio" in text and "pause takeover" in text and "latency" in text
+
+
+def test_resummarise_rejudges_stored_runs(tmp_path):
+    import json
+
+    from duplex.eval_dialogue import resummarise
+
+    rows = []
+    for i in range(10):
+        commit = _run(0.05, 6.0, committed=True, answer="b") | {"prefix": "The dragon is"}
+        # the first prompt follows an answer that opened with the same words: the veto discards it
+        history = [{"role": "user", "content": "a story"}, {"role": "assistant", "content": "The dragon is a"}] if i == 0 else []
+        rows.append({"p": 0.99, "label": 1, "text": "what is two plus two", "history": history,
+                     "slow": _run(0.3, 6.0), "commit": commit, "discard": _run(0.35, 6.0), "mismatched_quality": 4.0})
+    path = tmp_path / "dialogue.json"
+    path.write_text(json.dumps({"relay": {"rows": rows}}))
+    r = resummarise(path, None)["relay"]
+    assert [row["commit"]["veto"] for row in r["rows"]] == ["repeat"] + [None] * 9
+    assert r["committed_fraction"] == 0.9 and set(r["operating_points"]) >= {"balanced", "latency"}

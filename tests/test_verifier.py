@@ -212,13 +212,12 @@ def test_commit_threshold_commits_the_asked_share() -> None:
 def test_the_engine_never_commits_what_no_score_can_excuse() -> None:
     from dialogue.verifier import draft_veto
 
-    assert draft_veto("The dragon is a", "Stop. What is two plus two?", "The dragon is a fierce and") == "repeat"
-    assert draft_veto("What is the capital", "what is the capital of France", None) == "echo"
-    assert draft_veto("\u4f60\u597d", "hi", None) == "foreign" and draft_veto("**Sure**", "hi") == "markup"
-    # a new answer may share one opening word with the last one, and follow-ups are not echoes
-    assert draft_veto("Sure, I can", "book a table", "Sure! What time?") is None
-    assert draft_veto("Two plus two", "what is two plus two", "The dragon is a fierce and") is None
-    assert draft_veto("The capital of", "and of Germany?", "The capital of France is Paris.") == "repeat"
+    assert draft_veto("The dragon is a", "The dragon is a fierce and") == "repeat"
+    assert draft_veto("\u4f60\u597d") == "foreign" and draft_veto("**Sure**", None) == "markup"
+    # a new answer may share one opening word with the last one; echoing the question is allowed
+    assert draft_veto("Sure, I can", "Sure! What time?") is None
+    assert draft_veto("Good evening!", None) is None and draft_veto("Two plus two", "The dragon is a") is None
+    assert draft_veto("The capital of", "The capital of France is Paris.") == "repeat"
 
 
 def test_named_operating_points() -> None:
