@@ -545,14 +545,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     if args.resummarise:
-        results = resummarise(Path(args.resummarise), args.profile)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "dialogue.json").write_text(json.dumps(results, indent=1, default=float))
-        plot(results, out / "dialogue.png")
-        print(report(results))
-        print(f"wrote {out / 'dialogue.json'} and {out / 'dialogue.png'}")
-        return 0
+        return write_results(resummarise(Path(args.resummarise), args.profile), Path(args.out))
 
     from asr.moonshine import load_asr_stage
     from dialogue.engine import load_dialogue_stage
@@ -594,7 +587,11 @@ def run(args: argparse.Namespace) -> int:
         points = operating_points(stage)
         results["relay"] = summarise_relay(rows, points.pop("engine"), points)
         results["relay"]["seconds"] = round(time.perf_counter() - t, 1)
-    out = Path(args.out)
+    return write_results(results, Path(args.out))
+
+
+def write_results(results: dict[str, Any], out: Path) -> int:
+    """dialogue.json and dialogue.png in `out`, and the report on stdout."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "dialogue.json").write_text(json.dumps(results, indent=1, default=float))
     plot(results, out / "dialogue.png")
