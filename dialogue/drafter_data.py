@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from dialogue import train_verifier as TV
+from dialogue import verifier as V
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 TARGETS_FILE = DATA_DIR / "drafter_targets.jsonl"
@@ -158,7 +159,7 @@ def _assistant_lines_as_turns(train_groups: set[str]) -> list[TV.Prompt]:
                 continue
             for k in range(1, len(utts), 2):
                 text = TV.normalise_asr_text(str(utts[k]))
-                if 2 <= len(text.split()) <= 25 and not TV.is_markup(str(utts[k])):
+                if 2 <= len(text.split()) <= 25 and not V.is_markup(str(utts[k])):
                     out.append(TV.Prompt(group, "chatterbot-reply", (), text))
     return out
 

@@ -563,11 +563,11 @@ def verifier_operating_point(meta: Mapping[str, Any], choice: float | str | None
     """(threshold, rolling rule or None) for `choice`: None or "balanced" (the tuned threshold),
     another name stored in the metadata (`thresholds`; one with a `rolling` rule, like "latency",
     keeps a share of drafts committed rather than a number), or a number in [0, 1]."""
-    from dialogue.verifier import RollingThreshold
+    from dialogue.verifier import RollingThreshold, named_operating_points
 
-    named = {"balanced": float(meta["threshold"])} | {k: float(v) for k, v in (meta.get("thresholds") or {}).items()}
+    named = named_operating_points(meta)
     if choice is None:
-        return named["balanced"], None
+        return float(named["balanced"]), None
     if isinstance(choice, str):
         try:
             choice = float(choice)
@@ -575,10 +575,10 @@ def verifier_operating_point(meta: Mapping[str, Any], choice: float | str | None
             if choice not in named:
                 raise ConfigError(f"drafter: verifier_threshold {choice!r} is not a number in [0, 1] or one of "
                                   f"the verifier's operating points: {', '.join(sorted(named))}") from None
-            rule = (meta.get("rolling") or {}).get(choice)
-            if rule is None:
-                return named[choice], None
-            rolling = RollingThreshold(rule["prior"], float(rule["commit"]), int(rule["window"]))
+            point = named[choice]
+            if not isinstance(point, dict):
+                return point, None
+            rolling = RollingThreshold.from_rule(point)
             return rolling.threshold(), rolling
     if not 0.0 <= float(choice) <= 1.0:
         raise ConfigError(f"drafter: verifier_threshold {choice} is not in [0, 1]")

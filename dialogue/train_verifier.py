@@ -590,20 +590,16 @@ def build_dataset(prompts: Sequence[Prompt], progress: bool = True, adapter: Pat
 # -- labels --------------------------------------------------------------------------------------------
 
 
-# the rules a draft fails whatever its scores live with the runtime veto (dialogue/verifier.py)
-is_foreign, is_markup, repeats_question, _words = V.is_foreign, V.is_markup, V.repeats_question, V.words
-
-
 def forced_negative(ex: Mapping[str, Any]) -> str | None:
     """Why a draft is unacceptable whatever its scores (None if it is not)."""
     prefix = str(ex["prefix"])
     if not prefix:
         return "empty"
-    if is_foreign(prefix):
+    if V.is_foreign(prefix):
         return "foreign"
-    if is_markup(prefix):
+    if V.is_markup(prefix):
         return "markup"
-    if repeats_question(prefix, str(ex["text"])):
+    if V.repeats_question(prefix, str(ex["text"])):
         return "echo"
     return None
 
@@ -638,8 +634,8 @@ class Acceptance:
 def is_own_opening(prefix: str, slow_opening: str) -> bool:
     """The prefix is, word for word (case and punctuation aside), how the slow model itself begins:
     committing it changes nothing the slow model would have said."""
-    pw = _words(prefix)
-    return bool(pw) and _words(slow_opening)[: len(pw)] == pw
+    pw = V.words(prefix)
+    return bool(pw) and V.words(slow_opening)[: len(pw)] == pw
 
 
 def judge_prefix(ex: Mapping[str, Any], acc: Acceptance) -> str:

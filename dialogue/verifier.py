@@ -420,6 +420,16 @@ class RollingThreshold:
         self._scores: collections.deque[float] = collections.deque((float(x) for x in prior), maxlen=self.window)
         self._lock = threading.Lock()
 
+    @classmethod
+    def from_rule(cls, rule: Mapping[str, Any]) -> RollingThreshold:
+        """From a `rolling` entry of the verifier's metadata: {commit, window, prior}."""
+        return cls(rule["prior"], float(rule["commit"]), int(rule["window"]))
+
+    @property
+    def rule(self) -> dict[str, Any]:
+        """The rule it started from (what `from_rule` reads)."""
+        return {"commit": self.commit, "window": self.window, "prior": list(self.prior)}
+
     def threshold(self) -> float:
         with self._lock:
             return commit_threshold(list(self._scores), self.commit) if self._scores else 0.0
@@ -427,6 +437,14 @@ class RollingThreshold:
     def observe(self, p: float) -> None:
         with self._lock:
             self._scores.append(float(p))
+
+
+def named_operating_points(meta: Mapping[str, Any]) -> dict[str, float | dict[str, Any]]:
+    """The operating points stored with the verifier: "balanced" (its tuned `threshold`), the other
+    `thresholds`, and a `rolling` rule ({commit, window, prior}) in place of a threshold of that name."""
+    named: dict[str, float | dict[str, Any]] = {"balanced": float(meta["threshold"])}
+    named |= {k: float(v) for k, v in (meta.get("thresholds") or {}).items()}
+    return named | {k: dict(v) for k, v in (meta.get("rolling") or {}).items()}
 
 
 # -- rules a draft fails whatever its scores (labels and the engine's veto) ---------------------------

@@ -29,7 +29,6 @@ import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -351,19 +350,15 @@ def at_threshold(rows: list[dict[str, Any]], point: Point) -> dict[str, Any]:
     }
 
 
-def operating_points(stage: Any) -> dict[str, Point]:
-    """The verifier's named operating points (stored with its weights) and the one the engine runs."""
-    meta = getattr(stage, "verifier_meta", None) or {}
-    points: dict[str, Point] = {"balanced": float(meta["threshold"])} if "threshold" in meta else {}
-    rolling_rules = meta.get("rolling") or {}
-    # a rolling point's starting threshold, held fixed: what the rolling rule buys
-    points |= {(f"{k}-fixed" if k in rolling_rules else k): float(v) for k, v in (meta.get("thresholds") or {}).items()}
-    points |= {k: dict(v) for k, v in rolling_rules.items()}
-    rolling = getattr(stage, "rolling_threshold", None)
-    engine: Point = float(stage.verifier_threshold)
-    if rolling is not None:
-        engine = {"commit": rolling.commit, "window": rolling.window, "prior": list(rolling.prior)}
-    return points | {"engine": engine}
+def operating_points(meta: dict[str, Any], threshold: float, rolling: Any = None) -> dict[str, Point]:
+    """The verifier's named operating points, each rolling one also with its starting threshold held
+    fixed (what the rolling rule buys), and the engine's (`threshold`, or its `rolling` rule)."""
+    from dialogue.verifier import named_operating_points
+
+    points: dict[str, Point] = named_operating_points(meta) if "threshold" in meta else {}
+    points |= {f"{k}-fixed": float(meta["thresholds"][k]) for k, v in points.items()
+               if isinstance(v, dict) and k in (meta.get("thresholds") or {})}
+    return points | {"engine": rolling.rule if rolling is not None else float(threshold)}
 
 
 def _kept(q_relay: float, q_slow: float, floor: Sequence[float | None]) -> float:
@@ -533,9 +528,7 @@ def resummarise(path: Path, profile_name: str | None) -> dict[str, Any]:
     drafter = load_profile(profile_name).components.get("drafter")
     opts = DrafterOptions.from_mapping(drafter.options if drafter is not None else {})
     _, _, meta = load_verifier(None if opts.verifier == "shipped" else Path(opts.verifier).expanduser())
-    stage = SimpleNamespace(verifier_meta=meta, verifier_threshold=0.0, rolling_threshold=None)
-    stage.verifier_threshold, stage.rolling_threshold = verifier_operating_point(meta, opts.verifier_threshold)
-    points = operating_points(stage)
+    points = operating_points(meta, *verifier_operating_point(meta, opts.verifier_threshold))
     results["relay"] = summarise_relay(rows, points.pop("engine"), points)
     results["resummarised"] = time.strftime("%Y-%m-%d %H:%M")
     return results
@@ -584,7 +577,7 @@ def run(args: argparse.Namespace) -> int:
         random.Random(args.seed).shuffle(prompts)
         t = time.perf_counter()
         rows = eval_relay(stage, tts, prompts[: args.relay_prompts], progress)
-        points = operating_points(stage)
+        points = operating_points(stage.verifier_meta, stage.verifier_threshold, stage.rolling_threshold)
         results["relay"] = summarise_relay(rows, points.pop("engine"), points)
         results["relay"]["seconds"] = round(time.perf_counter() - t, 1)
     return write_results(results, Path(args.out))
