@@ -179,8 +179,22 @@ def _generated_lines() -> list[TV.Prompt]:
     return out
 
 
-def drafter_prompts(seed: int = 0) -> list[DraftPrompt]:
-    """Every prompt with its split; held-out prompts of the relay eval are kept (to measure), never trained."""
+def multi_turn_prompts(path: Path = TARGETS_FILE, seed: int = 0) -> list[DraftPrompt]:
+    """Conversations (`dialogue.multi_turn`) chained from the single-turn prompts answered in `path`.
+
+    Empty until the single-turn targets exist: `main` makes those first, then these.
+    """
+    from dialogue import multi_turn as M
+
+    rows = [r for r in read_targets(path).values() if r.get("source") != M.SOURCE]
+    return [DraftPrompt(p, split) for p, split in M.conversations(rows, seed=seed)]
+
+
+def drafter_prompts(seed: int = 0, multi: bool = True) -> list[DraftPrompt]:
+    """Every prompt with its split; held-out prompts of the relay eval are kept (to measure), never trained.
+
+    With `multi`, the conversations of `multi_turn_prompts` too (built from the answered prompts).
+    """
     base = TV.all_prompts(TV.DATA_SEED)
     splits = TV.split_groups([{"group": p.group} for p in base], seed)
     out: dict[str, DraftPrompt] = {}
@@ -202,7 +216,8 @@ def drafter_prompts(seed: int = 0) -> list[DraftPrompt]:
         out.setdefault(dp.key, dp)
     # the same words as a val / held-out prompt (with another history, or from another source) are
     # not trained on: the drafter would have seen the relay benchmark's question
-    return [dp for dp in out.values() if dp.split != "train" or dp.prompt.text.lower() not in heldout_texts]
+    single = [dp for dp in out.values() if dp.split != "train" or dp.prompt.text.lower() not in heldout_texts]
+    return single + (multi_turn_prompts(seed=seed) if multi else [])
 
 
 # -- targets ------------------------------------------------------------------------------------
@@ -293,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--stats", action="store_true", help="only count prompts per split and source")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    prompts = drafter_prompts()
+    prompts = drafter_prompts(multi=False)
     counts: dict[str, int] = {}
     for dp in prompts:
         k = f"{dp.split}/{dp.prompt.source.split('/')[0]}"
@@ -303,7 +318,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     # val and held-out first: the drafter's evaluation needs them however far training data gets
     order = sorted(prompts, key=lambda dp: dp.split == "train")
+    t0 = time.time()
     generate_targets(order, limit_s=None if args.minutes is None else args.minutes * 60)
+    # the conversations chain answered single-turn prompts: made once those exist
+    left = None if args.minutes is None else args.minutes * 60 - (time.time() - t0)
+    if left is None or left > 0:
+        multi = sorted(multi_turn_prompts(), key=lambda dp: dp.split == "train")
+        generate_targets(multi, limit_s=left)
     return 0
 
 
