@@ -3,7 +3,9 @@
     python -m dialogue.train_drafter [--layers 20] [--rank 16] [--epochs 3] [--out dialogue/weights/drafter_adapter.safetensors]
 
 1. Data: dialogue/data/drafter_targets.jsonl (`python -m dialogue.drafter_data` makes it): per prompt
-   the slow model's greedy answer. The drafter sees the chat as the engine gives it (the service's
+   the slow model's greedy answer; single user turns and conversations whose history holds earlier
+   answers (dialogue/multi_turn.py: a drafter taught on single turns copies the shape of earlier
+   answers in a live session). The drafter sees the chat as the engine gives it (the service's
    system prompt, user turns normalised like ASR text) and learns the answer's first
    `TARGET_TOKENS` tokens in its own tokenisation (plus the end of turn when the answer ended there).
 2. Model: the packaged SmolLM2-135M-Instruct in float32. With `--layers K < 30` the K layers with the
@@ -15,7 +17,8 @@
    own splits (whole conversations / template families), so the relay benchmark never saw them.
 4. Report: on held-out prompts, how often the greedy draft's first 1 / 3 / 5 words equal the slow
    model's (case and punctuation ignored), for the stock drafter and the distilled one, and the
-   drafter's decode time per token. Written into the adapter's metadata and printed.
+   drafter's decode time per token; on held-out conversations also how often a draft starts with the
+   first three words of an earlier answer (`copy_rate`, beside the slow model's own rate). Written into the adapter's metadata and printed.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from torch import nn
 
 from dialogue import drafter_adapter as DA
 from dialogue import drafter_data as DD
+from dialogue import multi_turn as MT
 from dialogue import train_verifier as TV
 from dialogue import verifier as V
 
@@ -157,6 +161,12 @@ class Example:
     text: str
     answer: str
     history: list[list[str]]
+    source: str = ""
+
+
+def is_multi(e: Example) -> bool:
+    """A conversation of dialogue/multi_turn.py (its single-turn prompts are measured apart)."""
+    return e.source == MT.SOURCE
 
 
 def build_examples(tokenizer: Any, system: str, rows: Sequence[dict[str, Any]]) -> list[Example]:
@@ -173,7 +183,7 @@ def build_examples(tokenizer: Any, system: str, rows: Sequence[dict[str, Any]]) 
         if r.get("ended") and len(tgt) < TARGET_TOKENS and isinstance(stop, int):
             tgt.append(stop)
         out.append(Example(r["key"], r["split"], ids, tgt[:TARGET_TOKENS], r["text"], answer,
-                           [list(h) for h in r["history"]]))
+                           [list(h) for h in r["history"]], str(r.get("source", ""))))
     return out
 
 
@@ -257,15 +267,32 @@ def match_rates(model: Any, tokenizer: Any, system: str, examples: Sequence[Exam
     stops = V.stop_token_ids(tokenizer)
     hits = {1: 0, 3: 0, 5: 0}
     samples = []
+    copies = {"draft": 0, "slow": 0, "n": 0}
     for e in tqdm(examples, desc="drafting", disable=not progress):
         d = V.draft(model, tokenizer, e.prompt, stop_ids=stops, max_words=max(hits))  # 5 words: all three rates
         for k in hits:
             want = words(e.answer, k)
             hits[k] += int(bool(want) and words(d.text, k) == want)
+        if e.history:
+            copies["n"] += 1
+            copies["draft"] += int(copies_history(d.text, e.history))
+            copies["slow"] += int(copies_history(e.answer, e.history))
         if len(samples) < 12:
-            samples.append({"text": e.text, "slow": e.answer[:60], "draft": d.text})
+            samples.append({"text": e.text, "slow": e.answer[:60], "draft": d.text}
+                           | ({"history": e.history[-2:]} if e.history else {}))
     n = max(len(examples), 1)
-    return {"n": len(examples), **{f"match_{k}w": hits[k] / n for k in hits}, "samples": samples}
+    out = {"n": len(examples), **{f"match_{k}w": hits[k] / n for k in hits}}
+    if copies["n"]:
+        # the live failure this guards: a draft that starts like an earlier answer of the session
+        out |= {"with_history": copies["n"], "copy_rate": copies["draft"] / copies["n"],
+                "slow_copy_rate": copies["slow"] / copies["n"]}
+    return out | {"samples": samples}
+
+
+def copies_history(text: str, history: Sequence[Sequence[str]], k: int = 3) -> bool:
+    """`text` starts with the same `k` words as an earlier assistant turn."""
+    head = words(text, k)
+    return len(head) == k and any(words(c, k) == head for r, c in history if r == "assistant")
 
 
 def decode_ms(model: Any, tokenizer: Any, n: int = 40) -> float:
@@ -348,10 +375,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         by_split["train"] = random.Random(cfg.seed).sample(by_split["train"], min(args.limit, len(by_split["train"])))
     print(f"examples: { {k: len(v) for k, v in by_split.items()} }", file=sys.stderr)
 
-    base_eval = {}
+    base_eval: dict[str, Any] = {}
+    base_multi: dict[str, Any] = {}
     if not args.limit:
-        base_eval = match_rates(model, tok, system, by_split["heldout"], progress)
+        base_eval = match_rates(model, tok, system, [e for e in by_split["heldout"] if not is_multi(e)], progress)
         base_eval["decode_ms"] = decode_ms(model, tok)
+        base_multi = match_rates(model, tok, system, [e for e in by_split["heldout"] if is_multi(e)], progress)
         print(f"stock drafter, held-out: {json.dumps({k: v for k, v in base_eval.items() if k != 'samples'})}",
               file=sys.stderr)
 
@@ -415,8 +444,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     merged = merge_lora(model)
     merged.eval()
     val_eval = match_rates(merged, tok, system, by_split["val"], progress)
-    ho_eval = match_rates(merged, tok, system, by_split["heldout"], progress)
+    ho_eval = match_rates(merged, tok, system, [e for e in by_split["heldout"] if not is_multi(e)], progress)
     ho_eval["decode_ms"] = decode_ms(merged, tok)
+    ho_multi = match_rates(merged, tok, system, [e for e in by_split["heldout"] if is_multi(e)], progress)
+    print(f"distilled drafter, held-out conversations: "
+          f"{json.dumps({k: v for k, v in ho_multi.items() if k != 'samples'})}", file=sys.stderr)
     print(f"distilled drafter, held-out: {json.dumps({k: v for k, v in ho_eval.items() if k != 'samples'})}",
           file=sys.stderr)
 
@@ -436,8 +468,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "examples": {k: len(v) for k, v in by_split.items()}, "target_tokens": TARGET_TOKENS},
         "train": {"best_epoch": best[1], "best_val_loss": best[0], "history": history},
         "stock_heldout": base_eval,
+        "stock_heldout_conversations": base_multi,
         "val": val_eval,
         "heldout": ho_eval,
+        # held-out conversations (dialogue/multi_turn.py): earlier answers in the history
+        "heldout_conversations": ho_multi,
         "seconds": round(time.time() - t0),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

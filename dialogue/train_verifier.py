@@ -5,7 +5,9 @@
 1. Prompts: the user turns of chatterbot_corpus's English conversations (with up to two previous
    utterances as history) and caller requests built from templates below (booking, billing,
    directions, how-to, trivia, small talk, follow-ups with history). User text is normalised like
-   the ASR text the engine sees.
+   the ASR text the engine sees. Plus conversations with earlier answers in the history
+   (dialogue/multi_turn.py, the drafter's own, built from its answered prompts), each in the split
+   of its last prompt.
 2. Per prompt (`build_example`): the drafter (SmolLM2-135M, int8) drafts with `verifier.draft`;
    the slow model (the service's Qwen, int8) scores the committed prefix in context
    (`score_prefix`: mean and min token log-prob) and drafts its own first words with the same
@@ -42,6 +44,7 @@ from typing import Any
 
 import torch
 
+from dialogue import multi_turn as MT
 from dialogue import verifier as V
 from dialogue.llm_weights import cache_root
 
@@ -891,6 +894,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--keep-weights", action="store_true",
                     help="do not train: score the splits with the verifier at --out and rewrite its metadata "
                          "(thresholds, operating points) only")
+    ap.add_argument("--no-conversations", action="store_true",
+                    help="single user turns only (no dialogue/multi_turn.py conversations)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -901,6 +906,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.time()
 
     prompts = all_prompts(DATA_SEED, args.limit)
+    n_single = len(prompts)
+    # conversations with earlier answers in the history (dialogue/multi_turn.py), in the split of
+    # their last prompt: the drafter's failure in long sessions is there, so the verifier learns it
+    multi = [] if args.limit or args.no_conversations else _conversations()
+    prompts = prompts + [p for p, _ in multi]
     by_source: dict[str, int] = {}
     for p in prompts:
         key = p.source.split("/")[0]
@@ -919,7 +929,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"labels: {sum(labels)}/{len(labels)} positive ({sum(labels) / len(labels):.1%}); {reasons}; "
           f"{len(examples) - len(usable)} with no drafted token are left out", file=sys.stderr)
 
-    splits = split_groups(examples, args.seed)
+    splits = split_groups(examples[:n_single], args.seed)
+    for j, (_, split) in enumerate(multi):
+        splits[split].append(n_single + j)
     usable_set = set(usable)
     sets = {k: [i for i in v if i in usable_set] for k, v in splits.items()}
     tensors = {k: collate([examples[i] for i in v]) for k, v in sets.items()}
@@ -968,6 +980,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for t in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
     ]
     ho["latency"] = classify_metrics(p_ho, ys["heldout"], thr_latency)
+    conv = [k for k, i in enumerate(ho_idx) if examples[i]["source"] == MT.SOURCE]
+    if conv:
+        p_conv, y_conv = p_ho[conv], ys["heldout"][conv]
+        ho["conversations"] = classify_metrics(p_conv, y_conv, thr) | {
+            "auroc": auroc(p_conv, y_conv), "latency": classify_metrics(p_conv, y_conv, thr_latency)}
 
     n_params = sum(p.numel() for p in model.parameters())
     seconds = [float(ex["seconds"]) for ex in examples]
@@ -1024,6 +1041,13 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"features {build_s:.0f}s, total {time.time() - t0:.0f}s; wrote {args.out} and {args.eval_out}",
           file=sys.stderr)
     return 0
+
+
+def _conversations() -> list[tuple[Prompt, str]]:
+    """The drafter's conversations (the same ones, made from its answered prompts), with their split."""
+    from dialogue import drafter_data as DD
+
+    return [(dp.prompt, dp.split) for dp in DD.multi_turn_prompts()]
 
 
 def slow_model_info() -> dict[str, Any]:

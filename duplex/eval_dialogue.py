@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import random
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -255,8 +256,8 @@ def eval_relay(stage: Any, tts: Any, prompts: list[dict[str, Any]], progress: bo
             same = res[v]["answer"] == slow["answer"]
             res[v]["quality"] = slow["quality"] if same else judge(stage, history, text, res[v]["answer"])
         label = int(_slow_accepts(stage, history, text, res["commit"])) if res["commit"]["draft"] else None
-        rows.append({"text": text, "history": history, "p": res["commit"]["p"], "label": label}
-                    | {v: res[v] for v in VARIANTS})
+        rows.append({"text": text, "history": history, "source": pr.get("source", ""), "p": res["commit"]["p"],
+                     "label": label} | {v: res[v] for v in VARIANTS})
     # the judge's floor: each prompt graded with the slow model's answer to the next prompt (fluent,
     # on no topic of this call), so a quality ratio can be read against what a wrong answer scores
     for i, row in enumerate(rows):
@@ -321,9 +322,12 @@ def relay_run(row: dict[str, Any], threshold: float) -> dict[str, Any]:
     return c if ok else row["discard"]
 
 
-def at_threshold(rows: list[dict[str, Any]], point: Point) -> dict[str, Any]:
-    """Relay versus slow-only with the verifier at `point`."""
+def at_threshold(rows: list[dict[str, Any]], point: Point, only: Sequence[int] | None = None) -> dict[str, Any]:
+    """Relay versus slow-only with the verifier at `point` (on the rows `only`, when given: a
+    rolling point is still replayed over all rows, in the order they were answered)."""
     ts = thresholds_for(rows, point)
+    if only is not None:
+        rows, ts = [rows[i] for i in only], [ts[i] for i in only]
     threshold = float(np.mean(ts)) if ts else float("nan")
     runs = [relay_run(r, t) for r, t in zip(rows, ts, strict=True)]
     on_r = [x["onset_s"] * 1000 for x in runs]
@@ -347,7 +351,34 @@ def at_threshold(rows: list[dict[str, Any]], point: Point) -> dict[str, Any]:
                               [r.get("mismatched_quality") for r in rows]),
         "answers_changed": sum(x["answer"] != r["slow"]["answer"] for x, r in zip(runs, rows, strict=True)),
         "committed_fraction": sum(committed) / len(committed) if committed else float("nan"),
+        "copied_openings": copied_openings(rows, runs),
     }
+
+
+def starts_like_earlier_answer(answer: str, history: Sequence[dict[str, str]], k: int = 3) -> bool:
+    """`answer` starts with the same `k` words as an earlier assistant turn of the conversation (the
+    drafter's failure in long sessions: "The spider that comes after Monday has 8 legs.")."""
+    def head(text: str) -> list[str]:
+        return re.sub(r"[^\w' ]", " ", text.lower()).split()[:k]
+
+    mine = head(answer)
+    return len(mine) == k and any(head(m["content"]) == mine for m in history if m["role"] == "assistant")
+
+
+def copied_openings(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of the prompts with earlier answers in their history: how often the relay's answer and the
+    slow model's start like one of them (the slow model's own rate is the baseline)."""
+    pairs = [(r, x) for r, x in zip(rows, runs, strict=True)
+             if any(m["role"] == "assistant" for m in r.get("history") or [])]
+    if not pairs:
+        return {"n": 0, "relay": float("nan"), "slow_only": float("nan")}
+    relay = sum(starts_like_earlier_answer(x["answer"], r["history"]) for r, x in pairs)
+    slow = sum(starts_like_earlier_answer(r["slow"]["answer"], r["history"]) for r, _ in pairs)
+    return {"n": len(pairs), "relay": relay / len(pairs), "slow_only": slow / len(pairs)}
+
+
+#: row kinds reported apart: single user turns, and conversations of dialogue/multi_turn.py
+KINDS = {"single": lambda r: r.get("source") != "multi", "conversations": lambda r: r.get("source") == "multi"}
 
 
 def operating_points(meta: dict[str, Any], threshold: float, rolling: Any = None) -> dict[str, Point]:
@@ -380,8 +411,12 @@ def summarise_relay(rows: list[dict[str, Any]], threshold: Point,
         ts = thresholds_for(rows, point)
         return at_threshold(rows, point) | {"decisions": [relay_run(r, t) is r["commit"] for r, t in zip(rows, ts, strict=True)]}
 
+    by_kind = {name: [i for i, r in enumerate(rows) if keep(r)] for name, keep in KINDS.items()}
     return with_decisions(threshold) | {
         "n": len(rows),
+        # the engine's point on single turns and on conversations apart (the long-session failure)
+        "by_kind": {name: at_threshold(rows, threshold, idx) | {"n": len(idx)}
+                    for name, idx in by_kind.items() if idx and len(idx) < len(rows)},
         "quality_mismatched": float(np.mean(floor)) if floor else float("nan"),
         "verifier_auroc": auroc([p for p, _ in labelled], [y for _, y in labelled]),
         "n_labelled": len(labelled),
@@ -428,6 +463,15 @@ def report(results: dict[str, Any]) -> str:
                 f"(target <= 0.50); quality {m['quality']['relay']:.2f} vs {m['quality']['slow_only']:.2f} "
                 f"= {fmt_pct(m['quality_ratio'])} (target >= 95 %), {fmt_pct(m['quality_kept'])} of the range above "
                 f"a mismatched answer kept; {m['answers_changed']} answers differ from slow-only")
+        for name, m in (r.get("by_kind") or {}).items():
+            o = m["onset_ms"]
+            lines.append(f"  engine on {name} (n={m['n']}): committed {fmt_pct(m['committed_fraction'])}; onset P90 "
+                         f"{o['relay']['p90']:.0f} vs {o['slow_only']['p90']:.0f} ms ({m['p90_ratio']:.2f}); quality "
+                         f"{fmt_pct(m['quality_ratio'])}, {fmt_pct(m['quality_kept'])} of the range kept")
+        c = r.get("copied_openings") or {}
+        if c.get("n"):
+            lines.append(f"  answers starting with the first 3 words of an earlier answer (n={c['n']} prompts with "
+                         f"history): relay {fmt_pct(c['relay'])} vs slow-only {fmt_pct(c['slow_only'])}")
         lines.append(f"  (the judge grades the slow model's answer to another prompt {r['quality_mismatched']:.2f}: "
                      f"the floor of its range)")
     return "\n".join(lines)
