@@ -1,6 +1,6 @@
 """Distil the relay's drafter on the slow model's openings: LoRA on SmolLM2-135M, optionally with fewer layers.
 
-    python -m dialogue.train_drafter [--layers 20] [--rank 16] [--epochs 3] [--out dialogue/weights/drafter_adapter.safetensors]
+    python -m dialogue.train_drafter [--layers 20] [--rank 16] [--epochs 2] [--out dialogue/weights/drafter_adapter.safetensors]
 
 1. Data: dialogue/data/drafter_targets.jsonl (`python -m dialogue.drafter_data` makes it): per prompt
    the slow model's greedy answer; single user turns and conversations whose history holds earlier
@@ -333,7 +333,7 @@ class TrainConfig:
     lr: float = 5e-4
     weight_decay: float = 0.0
     batch: int = 16
-    epochs: int = 3
+    epochs: int = 2
     warmup: int = 20
     seed: int = 0
 
