@@ -64,6 +64,19 @@ log = logging.getLogger("duplex.session")
 SR = 16000  # every stage runs on 16 kHz input
 FRAME_SECONDS = 0.04  # output audio frame length
 
+#: what callers say to cut the service off; said alone, more follows ("Stop, ... what is two plus two?")
+INTERRUPTION_CUES = frozenset({
+    "stop", "wait", "hold on", "hang on", "excuse me", "okay stop", "stop stop", "wait wait", "wait a second",
+    "one second", "hold on a second", "sorry to interrupt",
+})
+
+
+def bare_interruption_cue(text: str) -> bool:
+    """The turn so far is only a cue such as "Stop," or "Wait.": at a pause it is not yet a turn to
+    answer (the turn head scores it close to SPEAK after a barge-in; answering "Stop," is never right)."""
+    words = " ".join("".join(c if c.isalnum() or c in " '" else " " for c in text.lower()).split())
+    return words in INTERRUPTION_CUES
+
 
 @dataclass(frozen=True)
 class Stages:
@@ -938,7 +951,7 @@ class SessionCore:
                  1000 * (seg.spec_ready - self._arrival_time(seg.start_sample + seg.pause_at)),
                  1000 * timings.get("total_s", 0.0),
                  1000 * (self.clock() - job.submitted) - 1000 * timings.get("total_s", 0.0), probs)
-        if p_speak >= self.stages.speak_threshold:
+        if p_speak >= self.stages.speak_threshold and not bare_interruption_cue(text):
             seg.decision = "speak"
         elif p_bc >= self.stages.backchannel_threshold and p_bc >= p_listen:
             seg.decision = "backchannel"

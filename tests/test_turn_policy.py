@@ -161,3 +161,12 @@ def test_answer_audio_is_held_at_once_and_resumed_after_a_backchannel():
     done = result.events("response.done")[0]
     assert done.status == "completed"
     assert decode_tones(result.audio(), 24000) == done.text.split()
+
+
+def test_a_bare_interruption_cue_is_not_a_turn_to_answer() -> None:
+    from duplex.session import bare_interruption_cue
+
+    assert bare_interruption_cue("Stop,") and bare_interruption_cue("Hold on.") and bare_interruption_cue("wait")
+    assert not bare_interruption_cue("Stop, what is two plus two?")
+    assert not bare_interruption_cue("No.")  # an answer to the service's own question
+    assert not bare_interruption_cue("What is the capital of France?")
