@@ -54,7 +54,8 @@ class Word:
 @dataclass(frozen=True)
 class StreamingAsrOutput:
     """Transcript of the whole open segment so far (`text`), its words with times, and the decoder's
-    end-of-utterance signal: `eou` once `trailing_silence_ms` of blank frames follow the last word."""
+    end-of-utterance signal: `eou` once `trailing_silence_ms` of blank frames follow the last word;
+    `no_words` while the segment has no word although that much of it was decoded (noise, a hum)."""
 
     text: str | None
     is_final: bool
@@ -64,6 +65,7 @@ class StreamingAsrOutput:
     eou: bool = False
     trailing_silence_ms: float = 0.0
     chunks: int = 0
+    no_words: bool = False
 
 
 @dataclass(frozen=True)
@@ -340,7 +342,8 @@ class NemoStreamingAsrStage:
             text=text if asked else None, is_final=bool(w.chunk.final),
             audio_seconds=state.n_samples / SAMPLE_RATE, compute_seconds=time.perf_counter() - w.started,
             words=tuple(words), eou=bool(words) and trailing >= self.m.eou_frames,
-            trailing_silence_ms=round(1000 * trailing * fs, 1), chunks=state.chunks)
+            trailing_silence_ms=round(1000 * trailing * fs, 1), chunks=state.chunks,
+            no_words=not words and trailing >= self.m.eou_frames)
 
 
 def load_nemo_model(source: str | os.PathLike) -> Any:

@@ -53,6 +53,9 @@ class SessionOptions:
     backchannel_interval_ms: int = 6000
     #: fast drafter + verifier start each answer (false: the slow model answers alone)
     relay: bool = True
+    #: a streaming ASR's end-of-utterance signal (its decoder heard no word for `eou_silence_ms`)
+    #: pauses the turn at the last word even where the VAD still hears sound (a hum, a noisy room)
+    asr_end_of_utterance: bool = True
 
     #: options a client may change with session.start / session.update
     CLIENT_SETTABLE = (
@@ -65,8 +68,9 @@ class SessionOptions:
         "max_backchannel_ms",
         "backchannels",
         "relay",
+        "asr_end_of_utterance",
     )
-    _BOOLEAN = ("backchannels", "relay")
+    _BOOLEAN = ("backchannels", "relay", "asr_end_of_utterance")
 
     def with_overrides(self, overrides: dict[str, Any]) -> SessionOptions:
         """Apply a client's per-session deltas; unknown or out-of-range values raise ConfigError."""

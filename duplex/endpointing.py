@@ -5,6 +5,11 @@ continues while P(speech) stays at or above `off_threshold`. The first quiet win
 (the user may go on); `end_silence` samples of quiet end the turn; speech during a pause *resumes*
 the same turn. Positions are sample indices of the 16 kHz input stream, so decisions depend only on
 the audio, never on when it arrived.
+
+A streaming ASR adds a second opinion (`decoder_silence` / `decoder_words`): once its decoder has
+heard no word for a while (its end-of-utterance signal), windows count as quiet even where the VAD
+still hears sound (a hum, a breath, a noisy room), so the pause and the end of the turn are timed from
+the last word; only new words from the decoder resume the turn then.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class Endpointer:
     start_sample: int = 0
     pause_sample: int = 0
     speech_samples: int = 0  # loud samples since the segment started
+    decoder_quiet_since: int | None = None  # the ASR decoder's last word ended here and none followed
 
     def feed(self, window_end: int, prob: float, window: int) -> list[Edge]:
         """Consume one VAD window (ending at `window_end`); return the decisions it causes."""
@@ -48,6 +54,17 @@ class Endpointer:
             else:
                 self.run = 0
             return edges
+        if self.decoder_quiet_since is not None:
+            if not self.paused:
+                self.paused = True
+                self.pause_sample = min(self.decoder_quiet_since, window_end - window)
+                self.run = window_end - window - self.pause_sample
+                edges.append(Edge("pause", self.pause_sample))
+            self.run += window
+            if self.run >= self.end_silence:
+                self._close()
+                edges.append(Edge("end", self.pause_sample))
+            return edges
         loud = prob >= (self.threshold if self.paused else self.off_threshold)
         if loud:
             self.speech_samples += window
@@ -61,14 +78,35 @@ class Endpointer:
             edges.append(Edge("pause", self.pause_sample))
         self.run += window
         if self.run >= self.end_silence:
-            self.in_speech, self.paused, self.run = False, False, 0
+            self._close()
             edges.append(Edge("end", self.pause_sample))
         return edges
+
+    def decoder_silence(self, since_sample: int) -> None:
+        """The ASR decoder has heard no word since `since_sample` (its end-of-utterance signal): the
+        next window pauses the turn there even if the VAD still hears sound. (In a pause the VAD
+        already called, nothing changes: its own resume stays the faster one.)"""
+        if self.in_speech and not self.paused and self.decoder_quiet_since is None:
+            self.decoder_quiet_since = since_sample
+
+    def decoder_words(self, at_sample: int) -> list[Edge]:
+        """The decoder heard words again after `decoder_silence`: the turn resumes."""
+        if self.decoder_quiet_since is None:
+            return []
+        self.decoder_quiet_since = None
+        if not (self.in_speech and self.paused):
+            return []
+        self.paused, self.run = False, 0
+        return [Edge("resume", at_sample)]
 
     def force_end(self) -> list[Edge]:
         """The input ended (client said so): close an open segment now."""
         if not self.in_speech:
             return []
         end = self.pause_sample if self.paused else self.start_sample + self.speech_samples
-        self.in_speech, self.paused, self.run = False, False, 0
+        self._close()
         return [Edge("end", end)]
+
+    def _close(self) -> None:
+        self.in_speech, self.paused, self.run = False, False, 0
+        self.decoder_quiet_since = None

@@ -146,7 +146,7 @@ class Segment:
     listened: str = ""  # the text last given to the turn head
     decision: str | None = None  # at the current pause: "speak", "listen", "backchannel"
     overlap: bool = False  # started while the service was speaking
-    overlap_class: str | None = None  # "backchannel" or "interruption", once known
+    overlap_class: str | None = None  # "backchannel", "interruption" or "noise" (no word in it), once known
 
     def spec_valid(self) -> bool:
         """The latest transcript covers all audio up to where the speech stopped."""
@@ -462,6 +462,8 @@ class SessionCore:
         if self.endpointer.speech_samples < SR * self.options.barge_in_min_speech_ms / 1000:
             return
         seg = self.segment
+        if seg is not None and seg.overlap and seg.overlap_class == "noise":
+            return  # the decoder heard no word in it (see _decoder_end_of_utterance)
         if self.turn_taking and seg is not None and seg.overlap and seg.overlap_class != "interruption":
             # a backchannel must not end the answer: hold its audio at once (what was sent still
             # plays) and let the overlap head decide, unless the user has talked longer than any
@@ -496,8 +498,11 @@ class SessionCore:
 
     def _maybe_partial(self) -> None:
         seg = self.segment
-        if seg is None or seg.ended or "asr" in self._busy or self.endpointer.paused:
+        if seg is None or seg.ended or "asr" in self._busy:
             return
+        if self.endpointer.paused and self.endpointer.decoder_quiet_since is None:
+            return  # a pause the VAD hears: nothing new to transcribe (in a decoder's pause the VAD
+            # still hears sound, and only the decoder can tell if words follow)
         # keep partials to about a quarter of real time so a final rarely waits behind one
         interval = max(self.options.partial_interval_ms / 1000, 4.0 * seg.last_partial_cost)
         if seg.total_samples - seg.last_transcribed >= SR * interval:
@@ -562,6 +567,7 @@ class SessionCore:
             seg.spec_final, seg.spec_at, seg.spec_ready = text, covered, self.clock()
         if not final:
             seg.last_partial_cost = float(getattr(out, "compute_seconds", 0.0) or 0.0)
+            self._decoder_end_of_utterance(seg, out)
             if text and text != seg.partial_text and not seg.ended:
                 seg.partial_text = text
                 self._emit(TranscriptPartial, turn_id=seg.turn_id, text=text)
@@ -582,6 +588,34 @@ class SessionCore:
         else:
             self._maybe_partial()
 
+    def _decoder_end_of_utterance(self, seg: Segment, out: Any) -> None:
+        """A streaming ASR's end-of-utterance signal, alongside the VAD: once its decoder has heard
+        no word for `eou_silence_ms` the turn pauses at the last word, even where the VAD still hears
+        sound; the decoder's next words resume it (see duplex.endpointing)."""
+        if not self.options.asr_end_of_utterance or seg.ended or out is None or not hasattr(out, "eou"):
+            return
+        words = tuple(getattr(out, "words", ()) or ())
+        if seg.overlap:
+            if getattr(out, "no_words", False) and seg.overlap_class is None:
+                # sound over the answer with no word in it (a hum, a noisy room): not a barge-in
+                log.info("session %s turn %d: %.0f ms of sound over the answer with no word in it: the answer "
+                         "goes on", self.session_id, seg.turn_id, float(getattr(out, "trailing_silence_ms", 0.0)))
+                seg.overlap_class = "noise"
+                self._resume_playout()
+                return
+            if words and seg.overlap_class == "noise":
+                seg.overlap_class = None  # words after all: the talk over the answer starts with them
+                self.endpointer.speech_samples = 0
+        if out.eou and words:
+            if self.endpointer.decoder_quiet_since is None and not self.endpointer.paused:
+                log.info("session %s turn %d: the ASR decoder heard no word for %.0f ms after %r while the VAD "
+                         "still hears sound: pausing the turn at the last word", self.session_id, seg.turn_id,
+                         float(getattr(out, "trailing_silence_ms", 0.0)), words[-1].word)
+            self.endpointer.decoder_silence(seg.start_sample + int(SR * float(words[-1].end)))
+        elif not out.eou and words and self.endpointer.decoder_quiet_since is not None:
+            for edge in self.endpointer.decoder_words(seg.start_sample + int(SR * float(words[-1].start))):
+                self._on_edge(edge)
+
     def _end_segment(self, end_sample: int) -> None:
         seg = self.segment
         if seg is None:
@@ -597,7 +631,7 @@ class SessionCore:
 
     def _commit_turn(self, seg: Segment) -> None:
         text = (seg.spec_final or "").strip()
-        if self.turn_taking and seg.overlap and seg.overlap_class is None and text:
+        if self.turn_taking and seg.overlap and seg.overlap_class in (None, "noise") and text:
             if self._speaking():
                 self._classify_overlap(seg)  # decided when the overlap head answers
                 return

@@ -46,13 +46,23 @@ def tone_speech(text: str, sr: int = SR, amplitude: float = 0.3) -> np.ndarray:
 
 def decode_tones(audio: np.ndarray, sr: int) -> list[str]:
     """Inverse of tone_speech: loud runs of 10 ms frames -> nearest vocabulary frequency."""
+    return [w for w, _, _ in decode_tone_words(audio, sr)]
+
+
+def decode_tone_words(audio: np.ndarray, sr: int, tonal_only: bool = False) -> list[tuple[str, float, float]]:
+    """Words of tone speech with their start and end in seconds. With `tonal_only`, a loud frame
+    counts only if one frequency dominates it, so noise is heard as no word at all (as a real
+    recogniser hears a hum or a noisy room)."""
     hop = sr // 100
     n = len(audio) // hop
     if n == 0:
         return []
     frames = audio[: n * hop].reshape(n, hop)
     loud = np.sqrt((frames**2).mean(axis=1)) > 0.02
-    words: list[str] = []
+    if tonal_only:
+        spectra = np.abs(np.fft.rfft(frames * np.hanning(hop), axis=1))
+        loud &= spectra.max(axis=1) > 8.0 * spectra.mean(axis=1)
+    words: list[tuple[str, float, float]] = []
     i = 0
     while i < n:
         if not loud[i]:
@@ -67,7 +77,7 @@ def decode_tones(audio: np.ndarray, sr: int) -> list[str]:
             freq = float(np.argmax(spectrum)) * sr / len(seg)
             k = int(round((freq - 300.0) / 40.0))
             if 0 <= k < len(VOCAB):
-                words.append(VOCAB[k])
+                words.append((VOCAB[k], i * hop / sr, j * hop / sr))
         i = j
     return words
 
@@ -135,6 +145,47 @@ class ToneAsr(SequentialBatchMixin[ToneAsrState, FakeAsrChunk, FakeAsrOutput | N
             return None, new
         text = " ".join(decode_tones(audio, SR))
         return FakeAsrOutput(text, chunk.final, len(audio) / SR), new
+
+
+@dataclass(frozen=True)
+class FakeWord:
+    word: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class FakeStreamingAsrOutput(FakeAsrOutput):
+    words: tuple[FakeWord, ...] = ()
+    eou: bool = False
+    trailing_silence_ms: float = 0.0
+    no_words: bool = False
+
+
+class ToneStreamingAsr(ToneAsr):
+    """A streaming ASR for tone speech, shaped like asr.nemo_streaming's output: words with times and
+    the decoder's end-of-utterance signal (`eou` once `eou_silence_ms` with no word follows the last
+    one). Noise is no word (`decode_tone_words(tonal_only=True)`), and the decoder only sees audio up
+    to the last complete chunk, as a cache-aware model does."""
+
+    streaming = True
+
+    def __init__(self, eou_silence_ms: float = 640.0, chunk_ms: float = 160.0) -> None:
+        self.eou_s = eou_silence_ms / 1000
+        self.chunk = int(SR * chunk_ms / 1000)
+
+    def step(self, state: ToneAsrState, chunk: FakeAsrChunk) -> tuple[FakeAsrOutput | None, ToneAsrState]:
+        audio = np.concatenate([state.audio, chunk.samples])
+        new = ToneAsrState(audio)
+        if not chunk.transcribe:
+            return None, new
+        seen = audio if chunk.final else audio[: len(audio) // self.chunk * self.chunk]
+        words = tuple(FakeWord(w, a, b) for w, a, b in decode_tone_words(seen, SR, tonal_only=True))
+        trailing = len(seen) / SR - (words[-1].end if words else 0.0)
+        return FakeStreamingAsrOutput(
+            " ".join(w.word for w in words), chunk.final, len(audio) / SR, words=words,
+            eou=bool(words) and trailing >= self.eou_s, trailing_silence_ms=round(1000 * trailing, 1),
+            no_words=not words and trailing >= self.eou_s), new
 
 
 @dataclass(frozen=True)
@@ -330,11 +381,12 @@ def fake_turn_stages(
     reply_fn: Callable[[list[dict[str, str]]], str],
     turn_fn: Callable[[str], tuple[float, float, float]] = scripted_turn,
     overlap_fn: Callable[[str], float] = scripted_overlap,
+    asr: ToneAsr | None = None,
 ) -> Stages:
     """fake_stages with learned turn-taking switched on (scripted heads)."""
     return Stages(
         vad=EnergyVad(),
-        asr=ToneAsr(),
+        asr=asr or ToneAsr(),
         llm=ScriptedTurnLlm(reply_fn, turn_fn, overlap_fn),
         tts=ToneTts(),
         asr_chunk=FakeAsrChunk,

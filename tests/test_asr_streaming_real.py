@@ -68,6 +68,17 @@ def test_shipped_model_streams_words_within_chunk_plus_lookahead(stage):
     assert out.trailing_silence_ms >= 240
 
 
+def test_noise_is_no_word_to_the_decoder(stage):
+    """`no_words`: what the session core uses to let a noisy room over an answer neither hold nor stop it
+    (tests/test_decoder_eou.py)."""
+    noise = (0.05 * np.random.default_rng(0).standard_normal(2 * SR)).astype(np.float32)
+    state = stage.init_state()
+    for i in range(0, noise.size, SR // 50):
+        out, state = stage.step(state, AsrChunk(noise[i: i + SR // 50], transcribe=True))
+    assert out.text == "" and not out.words and not out.eou
+    assert out.no_words and out.trailing_silence_ms >= 640
+
+
 def test_session_core_on_the_streaming_asr_transcribes_while_the_user_speaks(stage):
     from asr.vad import load_vad_stage
     from duplex.testing import FakeClock, replay
