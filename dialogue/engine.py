@@ -425,7 +425,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             p = float(self.verifier(hs, st, mask)[0])
             if rolling is not None and force is None:
                 rolling.observe(p)
-        veto = draft_veto(prefix, previous_answer(msgs)) if prefix.strip() else None
+        veto = draft_veto(prefix, previous_answer(msgs), last_user_text(msgs)) if prefix.strip() else None
         committed = bool(prefix.strip()) and (p >= thr and veto is None if force is None else force)
         return RelayInfo(draft, prefix if committed else "", p, committed, time.perf_counter() - t0, ended, thr,
                          veto)
@@ -499,6 +499,11 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
 def previous_answer(messages: list[dict[str, str]]) -> str | None:
     """The last assistant message (what the caller heard of it), if any."""
     return next((m["content"] for m in reversed(messages) if m.get("role") == "assistant"), None)
+
+
+def last_user_text(messages: list[dict[str, str]]) -> str | None:
+    """The caller's turn being answered (the last user message), if any."""
+    return next((m["content"] for m in reversed(messages) if m.get("role") == "user"), None)
 
 
 def _normalized(messages: list[dict[str, str]]) -> list[dict[str, str]]:

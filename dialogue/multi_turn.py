@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dialogue import train_verifier as TV
+from dialogue.verifier import INTERRUPT_CUES  # what callers say when they cut the assistant off
 
 #: a conversation's group is its last prompt's group + this (its split is that group's split)
 GROUP_SUFFIX = "#multi"
@@ -35,9 +36,6 @@ SOURCE = "multi"
 SAME_SOURCE = 0.5
 BARGE_IN = 0.25
 MAX_EXCHANGES = 4
-#: what callers say when they cut the assistant off (ASR-normalised: lower case, no punctuation)
-INTERRUPT_CUES = ("stop", "wait", "hold on", "sorry", "no no", "okay stop", "actually", "hang on",
-                  "excuse me", "sorry to interrupt", "stop stop", "wait a second")
 #: per split: how many conversations (the drafter trains on `train`; val picks its epoch; held-out
 #: prompts go to the relay eval)
 DEFAULT_COUNTS = {"train": 1200, "val": 150, "heldout": 150}

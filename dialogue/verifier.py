@@ -494,16 +494,60 @@ def repeats_previous_answer(prefix: str, previous: str | None) -> bool:
     return len(pw) >= 2 and aw[: len(pw)] == pw
 
 
-def draft_veto(prefix: str, previous_answer: str | None = None) -> str | None:
+#: how callers open a barge-in turn ("Stop, how many days are in a year?"): after one, the caller
+#: has left the topic of the answer they cut off (also the cues of dialogue/multi_turn.py's data)
+INTERRUPT_CUES = ("stop", "wait", "hold on", "sorry", "no no", "okay stop", "actually", "hang on",
+                  "excuse me", "sorry to interrupt", "stop stop", "wait a second")
+_FUNCTION_WORDS = frozenset(
+    "a an the is are was were be been being am i you he she it we they me my your his her its our their this "
+    "that these those of in on at to for with by from and or but so as if then than there here what which who "
+    "whom whose when where why how do does did done can could would should will shall may might must not no "
+    "yes just very really also about into over under up down out off again more most some any all each both "
+    "few many much such only own same too don't it's i'm let's that's there's okay ok please stop wait hold "
+    "hang sorry excuse actually well oh one".split())
+
+
+def _content(text: str) -> set[str]:
+    """Content words, crudely stemmed (a plural 's' dropped), so "trucks" meets "truck"."""
+    out = set()
+    for w in words(text):
+        w = w.strip("'")
+        if len(w) >= 3 and w not in _FUNCTION_WORDS and any(c.isalpha() for c in w):
+            out.add(w[:-1] if len(w) > 3 and w.endswith("s") and not w.endswith("ss") else w)
+    return out
+
+
+def opens_with_interrupt_cue(user_text: str) -> bool:
+    """The turn opens with a barge-in cue ("Stop.", "Wait,", "Hold on, ...")."""
+    uw = words(user_text)
+    return any(uw[: len(c.split())] == c.split() for c in INTERRUPT_CUES)
+
+
+def carries_interrupted_topic(prefix: str, user_text: str | None, previous: str | None) -> bool:
+    """After a barge-in cue, the draft goes on about the answer the caller cut off: it shares a content
+    word with that answer and none with the caller's new words ("The car engine works" after "Stop.
+    How many days are in a year?" cut off "A car engine is ..."; the slow model, continuing it, said
+    "The car engine works 365 days."). A follow-up on the same topic names it ("Wait, why does the
+    engine need oil?") and is left to the scores; a wrong veto only loses the draft's head start."""
+    if not user_text or not previous or not opens_with_interrupt_cue(user_text):
+        return False
+    draft = _content(prefix)
+    return bool(draft & _content(previous)) and not draft & _content(user_text)
+
+
+def draft_veto(prefix: str, previous_answer: str | None = None, user_text: str | None = None) -> str | None:
     """Why the engine must not commit this draft whatever the verifier says (None if nothing):
-    another script, markup, or a repeat of the previous answer's opening. (An echo of the question,
-    a negative label in training, is not vetoed: "Good evening!" to "good evening" and "Saudi Arabia
-    imports ..." are the slow model's own openings too.)"""
+    another script, markup, a repeat of the previous answer's opening, or, after a barge-in cue, the
+    cut-off answer's topic instead of the caller's new one. (An echo of the question, a negative label
+    in training, is not vetoed: "Good evening!" to "good evening" and "Saudi Arabia imports ..." are the
+    slow model's own openings too.)"""
     if is_foreign(prefix):
         return "foreign"
     if is_markup(prefix):
         return "markup"
     if repeats_previous_answer(prefix, previous_answer):
         return "repeat"
+    if carries_interrupted_topic(prefix, user_text, previous_answer):
+        return "topic"
     return None
 

@@ -568,7 +568,7 @@ def resummarise(path: Path, profile_name: str | None) -> dict[str, Any]:
     for r in rows:
         c = r["commit"]
         msgs = r["history"] + [{"role": "user", "content": r["text"]}]
-        c["veto"] = draft_veto(c["prefix"], previous_answer(msgs)) if c["prefix"].strip() else None
+        c["veto"] = draft_veto(c["prefix"], previous_answer(msgs), r["text"]) if c["prefix"].strip() else None
     drafter = load_profile(profile_name).components.get("drafter")
     opts = DrafterOptions.from_mapping(drafter.options if drafter is not None else {})
     _, _, meta = load_verifier(None if opts.verifier == "shipped" else Path(opts.verifier).expanduser())

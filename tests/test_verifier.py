@@ -220,6 +220,24 @@ def test_the_engine_never_commits_what_no_score_can_excuse() -> None:
     assert draft_veto("The capital of", "The capital of France is Paris.") == "repeat"
 
 
+def test_after_a_barge_in_cue_a_draft_about_the_cut_off_answer_is_vetoed():
+    from dialogue.verifier import draft_veto, opens_with_interrupt_cue
+
+    cut = "A car engine is a machine that turns fuel into motion. First, air"
+    # the live bench's wrong answer: the drafter went on about the engine, the slow model continued it
+    assert draft_veto("The car engine works", cut, "Stop. how many days are in a year?") == "topic"
+    # the caller's new words are in the draft: an answer to them
+    assert draft_veto("Two plus two equals", cut, "Stop, what is two plus two?") is None
+    # a follow-up on the same topic names it ("engines" meets "engine")
+    assert draft_veto("An engine needs oil", cut, "Wait, why do engines need oil?") is None
+    # no barge-in cue: talking about the previous answer is what follow-ups do ("Why?")
+    assert draft_veto("The car engine needs", cut, "Why is that?") is None
+    # without the user's turn (the verifier's training labels) nothing changes
+    assert draft_veto("The car engine works", cut) is None
+    assert opens_with_interrupt_cue("Hold on, what color is grass?") and opens_with_interrupt_cue("wait")
+    assert not opens_with_interrupt_cue("Waiters are busy") and not opens_with_interrupt_cue("What is it?")
+
+
 def test_named_operating_points() -> None:
     from dialogue.engine import verifier_operating_point
     from duplex.config import ConfigError
