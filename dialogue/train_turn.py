@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from dialogue import turn_data as D
+from dialogue.heard_turns import HEARD_FILE
 from dialogue.llm_weights import cache_root
 from dialogue.turn_taking import (
     BACKCHANNEL,
@@ -327,6 +328,16 @@ def tune_speak_threshold(probs: torch.Tensor, y: torch.Tensor, max_takeover: flo
     return float(max(t for t in ok if recall[t] >= best - recall_slack))
 
 
+def tune_take_threshold(probs: torch.Tensor, y: torch.Tensor, max_takeover: float = MAX_VAL_TAKEOVER) -> float:
+    """P(not listen) threshold of the take rule (`TurnPolicy.take_threshold`): the lowest, so the most
+    complete turns and story pauses are taken, with at most `max_takeover` of the validation
+    mid-sentence pauses (LISTEN) taken, as speech or as "mm-hmm": both end the user's turn."""
+    take = 1.0 - probs[:, LISTEN]
+    grid = sorted({round(0.005 * i, 3) for i in range(1, 200)})
+    ok = [t for t in grid if float((take[y == LISTEN] >= t).float().mean()) <= max_takeover]
+    return float(ok[0]) if ok else grid[-1]
+
+
 def decide_turns(probs: torch.Tensor, policy: TurnPolicy) -> torch.Tensor:
     """The session core's rule on a batch of turn-head outputs."""
     return torch.tensor([policy.decide_turn(p) for p in probs.tolist()], dtype=torch.long)
@@ -369,13 +380,20 @@ def _rate(mask: torch.Tensor, of: torch.Tensor) -> dict[str, Any]:
 
 
 def turn_metrics(probs: torch.Tensor, y: torch.Tensor, policy: TurnPolicy,
-                 sources: Sequence[str] | None = None) -> dict[str, Any]:
-    """Takeover rates, the 3-class confusion matrix (rows: label, columns: decision) and counts."""
+                 sources: Sequence[str] | None = None, kinds: Sequence[str] | None = None) -> dict[str, Any]:
+    """Takeover rates, the 3-class confusion matrix (rows: label, columns: decision) and counts;
+    by source, and typed text vs the ASR's transcripts of it (`kinds` ending "+heard") apart.
+    `pause_answered` counts a "mm-hmm" at a mid-sentence pause too (the session answers after
+    `backchannel_turn_silence_ms` there), as `duplex eval dialogue` does."""
     d = decide_turns(probs, policy)
     conf = [[int(((y == i) & (d == j)).sum()) for j in range(3)] for i in range(3)]
     out: dict[str, Any] = {
         "pause_takeover": _rate(d == SPEAK, y == LISTEN),
         "complete_takeover": _rate(d == SPEAK, y == SPEAK),
+        # the turn taken as speech or as "mm-hmm" (the session answers after a longer silence then):
+        # what `duplex eval dialogue` counts
+        "pause_answered": _rate(d != LISTEN, y == LISTEN),
+        "complete_answered": _rate(d != LISTEN, y == SPEAK),
         "backchannel_recall": _rate(d == BACKCHANNEL, y == BACKCHANNEL),
         "backchannel_takeover": _rate(d == SPEAK, y == BACKCHANNEL),
         "listen_backchanneled": _rate(d == BACKCHANNEL, y == LISTEN),
@@ -386,6 +404,12 @@ def turn_metrics(probs: torch.Tensor, y: torch.Tensor, policy: TurnPolicy,
     if len(y) and int((y == LISTEN).sum()) and int((y == SPEAK).sum()):
         keep = (y == LISTEN) | (y == SPEAK)
         out["speak_vs_listen_auroc"] = round(auroc(probs[keep, SPEAK], (y[keep] == SPEAK).long()), 4)
+    if kinds is not None and any(k.endswith("+heard") for k in kinds):
+        heard = torch.tensor([k.endswith("+heard") for k in kinds])
+        out["by_form"] = {form: {"pause_takeover": _rate(d == SPEAK, (y == LISTEN) & m),
+                                 "pause_answered": _rate(d != LISTEN, (y == LISTEN) & m),
+                                 "complete_takeover": _rate(d == SPEAK, (y == SPEAK) & m)}
+                          for form, m in (("typed", ~heard), ("heard", heard))}
     if sources is not None:
         by: dict[str, Any] = {}
         for src in sorted({s.split("/")[0] for s in sources}):
@@ -438,7 +462,8 @@ def metrics_from_features(
             x = feats[idx]
             y = torch.tensor([int(examples[i]["label"]) for i in idx], dtype=torch.long)
             if head == "turn":
-                out["turn"] = turn_metrics(heads.turn(x), y, policy, [str(examples[i]["source"]) for i in idx])
+                out["turn"] = turn_metrics(heads.turn(x), y, policy, [str(examples[i]["source"]) for i in idx],
+                                           [str(examples[i].get("kind", "")) for i in idx])
             else:
                 out["overlap"] = overlap_metrics(heads.overlap(x), y, policy)
     return out
@@ -477,12 +502,17 @@ def format_report(m: Mapping[str, Any], title: str) -> str:
         lines += [
             f"pause takeover (LISTEN decided SPEAK, target <= 10%): {r(t['pause_takeover'])}",
             f"complete-turn takeover (SPEAK decided SPEAK, target >= 90%): {r(t['complete_takeover'])}",
+            f"turn taken (speak or mm-hmm) at a pause: {r(t['pause_answered'])}, after a complete turn: "
+            f"{r(t['complete_answered'])}",
             f"backchannel recall: {r(t['backchannel_recall'])}; backchannel taken over: {r(t['backchannel_takeover'])}",
             f"speak-vs-listen AUROC: {t.get('speak_vs_listen_auroc')}; 3-class accuracy: {t['accuracy']}",
             "confusion (rows: label, columns: decision listen/backchannel/speak):",
         ]
         for name, row in zip(LABELS, t["confusion"]["rows_label_cols_decision"], strict=True):
             lines.append(f"  {name:>11}: " + " ".join(f"{v:6d}" for v in row))
+        for form, v in t.get("by_form", {}).items():
+            lines.append(f"  {form}: pause takeover {r(v['pause_takeover'])} (with mm-hmm {r(v['pause_answered'])}), "
+                         f"complete {r(v['complete_takeover'])}")
         for src, v in t.get("by_source", {}).items():
             lines.append(f"  {src}: pause takeover {r(v['pause_takeover'])}, complete {r(v['complete_takeover'])}")
     o = m.get("overlap")
@@ -521,15 +551,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-engine-check", action="store_true", help="skip the held-out run with sliced prefill")
     ap.add_argument("--adapter", default="shipped",
                     help="drafter adapter the heads read: shipped (dialogue/weights), a path, or none")
+    ap.add_argument("--no-heard", action="store_true",
+                    help="typed text only (without the ASR transcripts of dialogue/heard_turns.py)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     progress = not args.no_progress
     torch.set_num_threads(1)  # a shared 2-core machine: one thread is what the engine gets too
     t0 = time.time()
 
-    examples = D.build_examples(seed=args.seed, progress=progress)
+    examples = D.build_examples(seed=args.seed, progress=progress, heard=not args.no_heard)
     splits = D.split_examples(examples, args.seed)
-    D.write_jsonl(D.EVAL_FILE, splits["heldout"])
+    # the held-out file stays typed text: `duplex eval dialogue` speaks and transcribes it itself
+    D.write_jsonl(D.EVAL_FILE, [e for e in splits["heldout"] if not str(e.get("kind", "")).endswith("+heard")])
     if args.limit:
         splits = {k: _limit(v, max(1, round(args.limit * share)), args.seed)
                   for (k, v), (_, share) in zip(splits.items(), D.SPLITS, strict=True)}
@@ -567,7 +600,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     speak_t = tune_speak_threshold(pv, ys["turn:val"])
     bc_t = tune_backchannel_threshold(pv, ys["turn:val"], speak_t)
     int_t = tune_interrupt_threshold(ov, ys["overlap:val"])
-    policy = TurnPolicy(speak_t, bc_t, int_t)
+    take_t = tune_take_threshold(pv, ys["turn:val"])
+    policy = TurnPolicy(speak_t, bc_t, int_t, take_t)
     train_s = time.time() - t_train
 
     def report(split: str) -> dict[str, Any]:
@@ -576,7 +610,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return metrics_from_features(heads, policy, exs, x)
 
     val_m, ho_m = report("val"), report("heldout")
-    print(f"thresholds: speak {speak_t}, backchannel {bc_t}, interrupt {int_t}", file=sys.stderr)
+    print(f"thresholds: take {take_t} (the rule), speak {speak_t}, backchannel {bc_t}, interrupt {int_t}",
+          file=sys.stderr)
     print(format_report(val_m, "validation"), file=sys.stderr)
     print(format_report(ho_m, "held-out"), file=sys.stderr)
     engine_m = None
@@ -598,8 +633,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dim": heads.dim,
         "params": sum(p.numel() for p in heads.parameters()),
         "labels": {"turn": list(LABELS), "overlap": ["backchannel", "interruption"]},
-        "thresholds": {"speak": speak_t, "backchannel": bc_t, "interrupt": int_t},
+        "thresholds": {"take": take_t, "speak": speak_t, "backchannel": bc_t, "interrupt": int_t},
         "threshold_rules": {
+            "take": f"lowest P(not listen) threshold with <= {MAX_VAL_TAKEOVER:.0%} of validation LISTEN pauses "
+                    "taken (speak or backchannel); the decision rule (TurnPolicy.take_threshold); speak and "
+                    "backchannel below are the older rule's, kept for comparison",
             "speak": f"highest P(speak) threshold with <= {MAX_VAL_TAKEOVER:.0%} of validation LISTEN pauses taken "
                      f"over and SPEAK recall within {RECALL_SLACK:.0%} of the best such threshold's",
             "backchannel": "best F1 (within 0.005, then closest to 0.5) of backchannel decisions on validation "
@@ -620,6 +658,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "split_rule": "seeded sha256 of the example group: 70/15/15 train/val/heldout",
             "limit": args.limit,
             "generated_file": {"path": str(gen_file.relative_to(gen_file.parents[2])), "sha256": _sha256(gen_file)},
+            "heard_file": None if args.no_heard or not HEARD_FILE.is_file() else
+            {"path": str(HEARD_FILE.relative_to(HEARD_FILE.parents[2])), "sha256": _sha256(HEARD_FILE),
+             "examples": sum(1 for e in examples if str(e.get("kind", "")).endswith("+heard"))},
             "eval_file": {"path": str(D.EVAL_FILE.relative_to(D.EVAL_FILE.parents[2])), "sha256": _sha256(D.EVAL_FILE)},
         },
         "train": info | {"config": asdict(cfg), "feature_seconds": round(feat_s, 1),

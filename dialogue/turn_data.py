@@ -423,6 +423,31 @@ def template_stories(n: int = 360, seed: int = 0) -> list[tuple[str, str]]:
     return out
 
 
+#: a caller who says who they are expects an answer ("Hello, my name is Anna." -> "Hi Anna! ..."); the
+#: corpus and the generated lines have names only inside longer turns, where a pause after one is an
+#: "mm-hmm" point, so heads trained on them (and on the ASR's transcripts, where a cut's last word often
+#: comes back as a name: "with my" -> "with Mai.") kept listening after a bare introduction
+_INTRODUCTIONS = (
+    "Hello, my name is {n}.", "Hi, I'm {n}.", "My name is {n}.", "Hi there, this is {n}.", "Hey, it's {n}.",
+    "Hello, I'm {n}, nice to meet you.", "Good morning, my name is {n}.", "Hi, my name's {n}.",
+    "This is {n} speaking.", "Hello, this is {n} calling.", "Hi, {n} here.", "Good evening, I'm {n}.",
+)
+_NAMES = (
+    "Anna", "James", "Maria", "David", "Sofia", "Michael", "Emma", "Daniel", "Olivia", "Lucas", "Mia", "Noah",
+    "Chloe", "Ethan", "Grace", "Omar", "Priya", "Chen", "Fatima", "Lars", "Yuki", "Carlos", "Hannah", "Tom",
+    "Aisha", "Peter", "Laura", "Ivan", "Nora", "Ben", "Sara", "Leo", "Julia", "Raj", "Elena", "Sam", "Kate",
+    "Mohammed", "Lily", "Jack",
+)
+
+
+def template_introductions(per_name: int = 3, seed: int = 0) -> list[tuple[str, str]]:
+    """(group, introduction): a few introductions per name; the group is the name, so held-out
+    introductions are of names the heads never heard."""
+    rng = random.Random(f"introductions:{seed}")
+    return [(f"tpl-intro:{name}", form.format(n=name))
+            for name in _NAMES for form in rng.sample(_INTRODUCTIONS, per_name)]
+
+
 # -- turn examples --------------------------------------------------------------------------------
 
 
@@ -445,6 +470,8 @@ def turn_examples(generated: Iterable[Mapping[str, Any]], seed: int = 0) -> list
                           hist if _rng("hist", n).random() < 0.5 else []))
     for group, story in template_stories(seed=seed):
         units.append(("template/story", group, story, []))
+    for group, intro in template_introductions(seed=seed):
+        units.append(("template/intro", group, intro, []))
     complete = {_key(u[2]) for u in units} | {_key(s) for s in STANDALONE}
     seen: set[str] = set()
     out = []
@@ -616,11 +643,17 @@ def _is_request(text: str) -> bool:
 
 
 def build_examples(
-    seed: int = 0, generated_path: Path = GENERATED_FILE, progress: bool = True
+    seed: int = 0, generated_path: Path = GENERATED_FILE, progress: bool = True, heard: bool = True
 ) -> list[dict[str, Any]]:
-    """Every labelled example of both heads (generating the caller lines once if not cached)."""
+    """Every labelled example of both heads (generating the caller lines once if not cached); with
+    `heard`, also the turn examples as the ASR transcribed them (dialogue/heard_turns.py), where it
+    has (`dialogue/data/turn_heard.jsonl`)."""
     generated = generate_lines(generated_path, seed=seed, progress=progress)
     turn = turn_examples(generated, seed=seed)
+    if heard:
+        from dialogue.heard_turns import heard_variants, read_heard
+
+        turn += heard_variants(turn, read_heard())
     questions: list[tuple[str, str, str]] = []
     for group, utts in corpus_conversations():
         for k in range(0, len(utts), 2):  # the corpus's user side

@@ -147,17 +147,27 @@ class TurnHeads(nn.Module):
 class TurnPolicy:
     """Decision thresholds, tuned on validation data at training time and shipped in the metadata.
 
-    The session core applies the same rule (duplex/session.py): SPEAK if P(speak) >= speak_threshold,
-    else BACKCHANNEL if P(backchannel) >= backchannel_threshold and >= P(listen), else LISTEN.
+    The session core applies the same rule (duplex/session.py). With a `take_threshold` (heads trained
+    since 2026-11-25 evening): the turn is taken if 1 - P(listen) >= take_threshold, as SPEAK if
+    P(speak) >= P(backchannel), else as BACKCHANNEL ("mm-hmm", then answer if they do not go on); else
+    LISTEN. Without one (older heads): SPEAK if P(speak) >= speak_threshold, else BACKCHANNEL if
+    P(backchannel) >= backchannel_threshold and >= P(listen), else LISTEN. The take rule does not
+    leave a finished statement that is half "mm-hmm" point, half answer point ("I live in Paris.":
+    listen 0.03, backchannel 0.51, speak 0.46) unanswered because neither class alone is sure.
     """
 
     speak_threshold: float = 0.5
     backchannel_threshold: float = 0.5
     interrupt_threshold: float = 0.5
+    take_threshold: float | None = None
 
     def decide_turn(self, probs: Sequence[float] | torch.Tensor) -> int:
         """LISTEN, BACKCHANNEL or SPEAK for one turn-head output (p_listen, p_backchannel, p_speak)."""
         p_listen, p_bc, p_speak = (float(p) for p in probs)
+        if self.take_threshold is not None:
+            if 1.0 - p_listen < self.take_threshold:
+                return LISTEN
+            return SPEAK if p_speak >= p_bc else BACKCHANNEL
         if p_speak >= self.speak_threshold:
             return SPEAK
         if p_bc >= self.backchannel_threshold and p_bc >= p_listen:
@@ -206,11 +216,12 @@ def load_turn_heads(
             speak_threshold=float(th["speak"]),
             backchannel_threshold=float(th["backchannel"]),
             interrupt_threshold=float(th["interrupt"]),
+            take_threshold=float(th["take"]) if th.get("take") is not None else None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelError(f"turn-taking heads: bad thresholds {th!r} in {meta_path}; {hint}") from exc
     for name, value in vars(policy).items():
-        if not 0.0 < value < 1.0:
+        if value is not None and not 0.0 < value < 1.0:
             raise ModelError(f"turn-taking heads: {name} {value} in {meta_path} is not in (0, 1)")
     heads = TurnHeads(trained, dim=int(meta["dim"]))
     try:

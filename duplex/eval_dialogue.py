@@ -59,9 +59,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 # -- 1/2: turn-taking ---------------------------------------------------------------------------
 
 
-def decide(probs: Sequence[float], speak_thr: float, bc_thr: float) -> int:
-    """The session core's rule (duplex.session._on_listen)."""
+def decide(probs: Sequence[float], speak_thr: float, bc_thr: float, take_thr: float | None = None) -> int:
+    """The session core's rule (duplex.session._on_listen; dialogue.turn_taking.TurnPolicy)."""
     p_listen, p_bc, p_speak = probs
+    if take_thr is not None:
+        return 0 if 1.0 - p_listen < take_thr else 2 if p_speak >= p_bc else 1
     if p_speak >= speak_thr:
         return 2
     if p_bc >= bc_thr and p_bc >= p_listen:
@@ -92,7 +94,7 @@ def turn_metrics(pairs: list[tuple[int, int]]) -> dict[str, Any]:
 
 
 def eval_turns_text(stage: Any, examples: list[dict[str, Any]], speak_thr: float, bc_thr: float,
-                    progress: bool) -> dict[str, Any]:
+                    progress: bool, take_thr: float | None = None) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from dialogue.engine import ListenStep, OverlapStep
@@ -106,7 +108,7 @@ def eval_turns_text(stage: Any, examples: list[dict[str, Any]], speak_thr: float
             overlap_ok.append(bool(out.interrupt) == (int(ex["label"]) == 1))
         else:
             out, _ = stage.step(state, ListenStep(list(ex.get("history") or []), ex["text"], prefill_slow=False))
-            pairs.append((int(ex["label"]), decide(out.probs, speak_thr, bc_thr)))
+            pairs.append((int(ex["label"]), decide(out.probs, speak_thr, bc_thr, take_thr)))
     m = turn_metrics(pairs)
     m["overlap_accuracy"] = sum(overlap_ok) / len(overlap_ok) if overlap_ok else float("nan")
     m["n_overlap"] = len(overlap_ok)
@@ -114,7 +116,7 @@ def eval_turns_text(stage: Any, examples: list[dict[str, Any]], speak_thr: float
 
 
 def eval_turns_speech(stage: Any, asr: Any, examples: list[dict[str, Any]], n: int, speak_thr: float,
-                      bc_thr: float, seed: int, progress: bool) -> dict[str, Any]:
+                      bc_thr: float, seed: int, progress: bool, take_thr: float | None = None) -> dict[str, Any]:
     """Speak the words with hibari, transcribe them with the profile's ASR, then listen."""
     from tqdm.auto import tqdm
 
@@ -140,7 +142,7 @@ def eval_turns_speech(stage: Any, asr: Any, examples: list[dict[str, Any]], n: i
         out, _ = asr.step(asr.init_state(), AsrChunk(samples=audio, transcribe=True, final=True))
         heard = str(getattr(out, "text", "") or "")
         res, _ = stage.step(stage.init_state(), ListenStep(list(ex.get("history") or []), heard, prefill_slow=False))
-        d = decide(res.probs, speak_thr, bc_thr)
+        d = decide(res.probs, speak_thr, bc_thr, take_thr)
         pairs.append((int(ex["label"]), d))
         if (d > 0) != (int(ex["label"]) == 2):
             wrong.append({"text": ex["text"], "heard": heard, "label": LABELS[int(ex["label"])], "decision": LABELS[d]})
@@ -600,20 +602,22 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("eval dialogue: the judge is the in-process slow model; this profile's llm is remote")
     speak_thr = float(stage.policy.speak_threshold)
     bc_thr = float(stage.policy.backchannel_threshold)
+    take_thr = getattr(stage.policy, "take_threshold", None)
     results: dict[str, Any] = {"profile": profile.name, "speak_threshold": speak_thr,
-                               "backchannel_threshold": bc_thr, "date": time.strftime("%Y-%m-%d %H:%M")}
+                               "backchannel_threshold": bc_thr, "take_threshold": take_thr,
+                               "date": time.strftime("%Y-%m-%d %H:%M")}
     turn_examples = read_jsonl(DATA / "turn_eval.jsonl")
     if args.text:
         random.Random(args.seed).shuffle(turn_examples)
         turn_examples = turn_examples[: args.text]
     t = time.perf_counter()
-    results["turn_text"] = eval_turns_text(stage, turn_examples, speak_thr, bc_thr, progress)
+    results["turn_text"] = eval_turns_text(stage, turn_examples, speak_thr, bc_thr, progress, take_thr)
     results["turn_text"]["seconds"] = round(time.perf_counter() - t, 1)
     if args.speech:
         asr = load_asr_stage(profile.component("asr"))
         t = time.perf_counter()
         results["turn_speech"] = eval_turns_speech(stage, asr, read_jsonl(DATA / "turn_eval.jsonl"), args.speech,
-                                                   speak_thr, bc_thr, args.seed, progress)
+                                                   speak_thr, bc_thr, args.seed, progress, take_thr)
         results["turn_speech"]["seconds"] = round(time.perf_counter() - t, 1)
     if args.relay_prompts:
         tts = load_tts_stage(profile.component("tts"))

@@ -63,6 +63,7 @@ def build_stages(profile: Profile, progress: bool = True) -> Stages:
         respond_step=lambda messages, max_tokens, relay: RespondStep(messages, max_tokens, relay, phrase_words=words),
         speak_threshold=float(getattr(policy, "speak_threshold", 0.5)),
         backchannel_threshold=float(getattr(policy, "backchannel_threshold", 0.5)),
+        take_threshold=getattr(policy, "take_threshold", None),
     )
 
 

@@ -99,6 +99,9 @@ class Stages:
     #: thresholds of the turn head: P(speak) to answer, P(backchannel) to say "mm-hmm"
     speak_threshold: float = 0.5
     backchannel_threshold: float = 0.5
+    #: P(not listen) to take the turn (then speak or "mm-hmm", whichever is likelier); None: the
+    #: older rule on the two thresholds above (dialogue.turn_taking.TurnPolicy)
+    take_threshold: float | None = None
     backchannel_text: str = "Mm-hmm."
 
 
@@ -985,7 +988,12 @@ class SessionCore:
                  1000 * (seg.spec_ready - self._arrival_time(seg.start_sample + seg.pause_at)),
                  1000 * timings.get("total_s", 0.0),
                  1000 * (self.clock() - job.submitted) - 1000 * timings.get("total_s", 0.0), probs)
-        if p_speak >= self.stages.speak_threshold and not bare_interruption_cue(text):
+        take = self.stages.take_threshold
+        if bare_interruption_cue(text):
+            seg.decision = "listen"
+        elif take is not None:
+            seg.decision = "listen" if 1.0 - p_listen < take else "speak" if p_speak >= p_bc else "backchannel"
+        elif p_speak >= self.stages.speak_threshold:
             seg.decision = "speak"
         elif p_bc >= self.stages.backchannel_threshold and p_bc >= p_listen:
             seg.decision = "backchannel"

@@ -170,3 +170,24 @@ def test_a_bare_interruption_cue_is_not_a_turn_to_answer() -> None:
     assert not bare_interruption_cue("Stop, what is two plus two?")
     assert not bare_interruption_cue("No.")  # an answer to the service's own question
     assert not bare_interruption_cue("What is the capital of France?")
+
+
+def test_the_take_rule_in_the_session_core():
+    # a finished statement the head splits between "mm-hmm" and answer is still taken
+    def split_head(text: str) -> tuple[float, float, float]:
+        return (0.03, 0.51, 0.46) if text.split()[-1] == "france" else (0.9, 0.05, 0.05)
+
+    profile = load_profile("cpu")
+    clock = FakeClock()
+    stages = dataclasses.replace(fake_turn_stages(scripted_answer, turn_fn=split_head), take_threshold=0.6,
+                                 speak_threshold=0.7, backchannel_threshold=0.7)
+    core = SessionCore("s1", profile, stages, clock, options=profile.session)
+    speech = tone_speech("what is the capital of france")
+    result = replay(core, clock, np.concatenate([silence(0.5), speech, silence(3.0)]), COSTS)
+    assert result.events("turn.decision")[-1].decision == "backchannel"
+    assert result.events("response.done")[0].text == "paris is the capital of france"
+    # without the take rule the same head output is "listen": answered only after the long hangover
+    core = SessionCore("s1", profile, dataclasses.replace(stages, take_threshold=None), FakeClock(),
+                       options=profile.session)
+    result = replay(core, core.clock, np.concatenate([silence(0.5), speech, silence(3.0)]), COSTS)
+    assert result.events("turn.decision")[-1].decision == "listen"

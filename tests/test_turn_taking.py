@@ -217,6 +217,30 @@ def test_policy_follows_the_session_rule():
     assert pol.decide_overlap(0.6) and not pol.decide_overlap(0.59)
 
 
+def test_take_rule_takes_a_finished_thought_whichever_class_is_likelier():
+    from duplex.eval_dialogue import decide
+
+    pol = TurnPolicy(speak_threshold=0.7, backchannel_threshold=0.7, interrupt_threshold=0.6, take_threshold=0.6)
+    # "I live in Paris.": neither class alone is sure, but the thought is finished
+    assert pol.decide_turn([0.03, 0.51, 0.46]) == BACKCHANNEL
+    assert pol.decide_turn([0.03, 0.40, 0.57]) == SPEAK
+    assert pol.decide_turn([0.41, 0.0, 0.59]) == LISTEN  # 1 - P(listen) = 0.59 < 0.6
+    # the evaluation applies the same rule as the policy (and the session core, tests/test_turn_policy.py)
+    for probs in ([0.03, 0.51, 0.46], [0.03, 0.40, 0.57], [0.41, 0.0, 0.59], [0.9, 0.05, 0.05]):
+        assert decide(probs, 0.7, 0.7, 0.6) == pol.decide_turn(probs)
+        older = TurnPolicy(0.7, 0.7, 0.6)
+        assert decide(probs, 0.7, 0.7) == older.decide_turn(probs)
+
+
+def test_shipped_heads_use_the_take_rule_tuned_on_validation():
+    _, policy, meta = load_turn_heads()
+    assert policy.take_threshold == meta["thresholds"]["take"] and 0 < policy.take_threshold < 1
+    val = meta["val"]["turn"]
+    assert val["pause_answered"]["rate"] <= 0.08  # the tuning rule
+    # trained on the ASR's transcripts too (dialogue/heard_turns.py)
+    assert meta["data"]["heard_file"]["examples"] > 1000
+
+
 # -- shipped weights -----------------------------------------------------------------------------
 
 

@@ -1,0 +1,55 @@
+"""Turn-taking examples as the ASR hears them (dialogue/heard_turns.py)."""
+
+from __future__ import annotations
+
+import json
+
+from dialogue import heard_turns as H
+from dialogue import turn_data as D
+
+
+def test_heard_variants_keep_label_and_group_and_skip_what_the_head_cannot_tell_apart():
+    examples = [
+        {"text": "What a thing to", "label": 0, "head": "turn", "group": "g1", "kind": "cut", "source": "s"},
+        {"text": "What is the capital of France?", "label": 2, "head": "turn", "group": "g2", "kind": "complete",
+         "source": "s"},
+        {"text": "stop", "label": 1, "head": "overlap", "group": "g3", "kind": "stop", "source": "s"},
+        {"text": "never transcribed", "label": 0, "head": "turn", "group": "g4", "kind": "cut", "source": "s"},
+    ]
+    heard = {"What a thing to": "What a thing, too.", "What is the capital of France?": "what is the capital of france",
+             "stop": "Stop."}
+    out = H.heard_variants(examples, heard)
+    # only a transcript with other words is new to the head (it sees no punctuation; case aside)
+    assert [(e["text"], e["label"], e["group"], e["kind"], e["heard_from"]) for e in out] == [
+        ("What a thing, too.", 0, "g1", "cut+heard", "What a thing to")]
+
+
+def test_voices_are_a_pure_function_of_the_text():
+    a, b = H.voice_for("What a thing to"), H.voice_for("What a thing to")
+    assert a == b
+    names = {H.voice_for(f"sentence number {i}").name() for i in range(200)}
+    hibari = sum(H.voice_for(f"sentence number {i}").engine == "hibari" for i in range(200))
+    assert 110 <= hibari <= 170 and len(names) > 3  # ~70 % hibari, the rest plain en-US espeak voices
+
+
+def test_read_heard_resumes_from_the_file(tmp_path):
+    path = tmp_path / "heard.jsonl"
+    assert H.read_heard(path) == {}
+    path.write_text(json.dumps({"text": "a", "heard": "A.", "voice": "hibari"}) + "\n\n")
+    assert H.read_heard(path) == {"a": "A."}
+    assert H.transcribe_all(["a"], path=path) == 0  # nothing left to do: no model is loaded
+
+
+def test_shipped_transcripts_cover_the_turn_examples():
+    heard = H.read_heard()
+    typed = {e["text"]: e for e in D.build_examples(progress=False, heard=False) if e["head"] == "turn"}
+    texts = set(typed)
+    assert heard, "dialogue/data/turn_heard.jsonl is missing: python -m dialogue.heard_turns"
+    missing = texts - set(heard)
+    assert len(missing) <= 0.01 * len(texts), f"{len(missing)} of {len(texts)} turn examples not transcribed"
+    variants = [e for e in D.build_examples(progress=False) if str(e.get("kind", "")).endswith("+heard")]
+    # most transcripts differ from the text in some word: that is why they are examples
+    assert len(variants) > 0.2 * len(texts)
+    # each is labelled and grouped as the text it was spoken from, so it sits in the same split
+    assert all((e["label"], e["group"]) == (typed[e["heard_from"]]["label"], typed[e["heard_from"]]["group"])
+               for e in variants)
