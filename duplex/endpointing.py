@@ -54,27 +54,19 @@ class Endpointer:
             else:
                 self.run = 0
             return edges
-        if self.decoder_quiet_since is not None:
-            if not self.paused:
-                self.paused = True
-                self.pause_sample = min(self.decoder_quiet_since, window_end - window)
-                self.run = window_end - window - self.pause_sample
-                edges.append(Edge("pause", self.pause_sample))
-            self.run += window
-            if self.run >= self.end_silence:
-                self._close()
-                edges.append(Edge("end", self.pause_sample))
-            return edges
-        loud = prob >= (self.threshold if self.paused else self.off_threshold)
-        if loud:
+        by_decoder = self.decoder_quiet_since is not None  # only the decoder's words resume then
+        if not by_decoder and prob >= (self.threshold if self.paused else self.off_threshold):
             self.speech_samples += window
             if self.paused:
                 self.paused, self.run = False, 0
                 edges.append(Edge("resume", window_end - window))
             return edges
         if not self.paused:
-            self.paused, self.run = True, 0
+            self.paused = True
             self.pause_sample = window_end - window
+            if self.decoder_quiet_since is not None:
+                self.pause_sample = min(self.decoder_quiet_since, self.pause_sample)  # at the last word
+            self.run = window_end - window - self.pause_sample
             edges.append(Edge("pause", self.pause_sample))
         self.run += window
         if self.run >= self.end_silence:
