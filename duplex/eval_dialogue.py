@@ -60,15 +60,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def decide(probs: Sequence[float], speak_thr: float, bc_thr: float, take_thr: float | None = None) -> int:
-    """The session core's rule (duplex.session._on_listen; dialogue.turn_taking.TurnPolicy)."""
-    p_listen, p_bc, p_speak = probs
-    if take_thr is not None:
-        return 0 if 1.0 - p_listen < take_thr else 2 if p_speak >= p_bc else 1
-    if p_speak >= speak_thr:
-        return 2
-    if p_bc >= bc_thr and p_bc >= p_listen:
-        return 1
-    return 0
+    """The turn head's rule (dialogue.turn_taking.TurnPolicy, as the session core applies it)."""
+    from dialogue.turn_taking import TurnPolicy
+
+    return TurnPolicy(speak_thr, bc_thr, 0.5, take_thr).decide_turn(probs)
 
 
 def turn_metrics(pairs: list[tuple[int, int]]) -> dict[str, Any]:
