@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 HEARD_FILE = Path(__file__).resolve().parent / "data" / "turn_heard.jsonl"
+HEARD_KIND = "+heard"  # suffix of a heard example's kind
 SPLIT_ORDER = ("val", "heldout", "train")  # validation first: the thresholds are tuned there
 
 
@@ -76,8 +77,13 @@ def heard_variants(examples: Iterable[Mapping[str, Any]], heard: Mapping[str, st
             continue
         if normalize_user_text(h).lower() == normalize_user_text(str(ex["text"])).lower():
             continue
-        out.append(dict(ex) | {"text": h, "kind": f"{ex.get('kind', '')}+heard", "heard_from": ex["text"]})
+        out.append(dict(ex) | {"text": h, "kind": f"{ex.get('kind', '')}{HEARD_KIND}", "heard_from": ex["text"]})
     return out
+
+
+def is_heard(example: Mapping[str, Any]) -> bool:
+    """An example made by `heard_variants` (the ASR's transcript of another example's text)."""
+    return str(example.get("kind", "")).endswith(HEARD_KIND)
 
 
 def transcribe_all(texts: Sequence[str], path: Path = HEARD_FILE, seed: int = 0, progress: bool = True,

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from dialogue import turn_data as D
-from dialogue.heard_turns import HEARD_FILE
+from dialogue.heard_turns import HEARD_FILE, HEARD_KIND, is_heard
 from dialogue.llm_weights import cache_root
 from dialogue.turn_taking import (
     BACKCHANNEL,
@@ -404,8 +404,8 @@ def turn_metrics(probs: torch.Tensor, y: torch.Tensor, policy: TurnPolicy,
     if len(y) and int((y == LISTEN).sum()) and int((y == SPEAK).sum()):
         keep = (y == LISTEN) | (y == SPEAK)
         out["speak_vs_listen_auroc"] = round(auroc(probs[keep, SPEAK], (y[keep] == SPEAK).long()), 4)
-    if kinds is not None and any(k.endswith("+heard") for k in kinds):
-        heard = torch.tensor([k.endswith("+heard") for k in kinds])
+    if kinds is not None and any(k.endswith(HEARD_KIND) for k in kinds):
+        heard = torch.tensor([k.endswith(HEARD_KIND) for k in kinds])
         out["by_form"] = {form: {"pause_takeover": _rate(d == SPEAK, (y == LISTEN) & m),
                                  "pause_answered": _rate(d != LISTEN, (y == LISTEN) & m),
                                  "complete_takeover": _rate(d == SPEAK, (y == SPEAK) & m)}
@@ -562,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     examples = D.build_examples(seed=args.seed, progress=progress, heard=not args.no_heard)
     splits = D.split_examples(examples, args.seed)
     # the held-out file stays typed text: `duplex eval dialogue` speaks and transcribes it itself
-    D.write_jsonl(D.EVAL_FILE, [e for e in splits["heldout"] if not str(e.get("kind", "")).endswith("+heard")])
+    D.write_jsonl(D.EVAL_FILE, [e for e in splits["heldout"] if not is_heard(e)])
     if args.limit:
         splits = {k: _limit(v, max(1, round(args.limit * share)), args.seed)
                   for (k, v), (_, share) in zip(splits.items(), D.SPLITS, strict=True)}
@@ -660,7 +660,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "generated_file": {"path": str(gen_file.relative_to(gen_file.parents[2])), "sha256": _sha256(gen_file)},
             "heard_file": None if args.no_heard or not HEARD_FILE.is_file() else
             {"path": str(HEARD_FILE.relative_to(HEARD_FILE.parents[2])), "sha256": _sha256(HEARD_FILE),
-             "examples": sum(1 for e in examples if str(e.get("kind", "")).endswith("+heard"))},
+             "examples": sum(1 for e in examples if is_heard(e))},
             "eval_file": {"path": str(D.EVAL_FILE.relative_to(D.EVAL_FILE.parents[2])), "sha256": _sha256(D.EVAL_FILE)},
         },
         "train": info | {"config": asdict(cfg), "feature_seconds": round(feat_s, 1),

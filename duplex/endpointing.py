@@ -74,12 +74,14 @@ class Endpointer:
             edges.append(Edge("end", self.pause_sample))
         return edges
 
-    def decoder_silence(self, since_sample: int) -> None:
+    def decoder_silence(self, since_sample: int) -> bool:
         """The ASR decoder has heard no word since `since_sample` (its end-of-utterance signal): the
         next window pauses the turn there even if the VAD still hears sound. (In a pause the VAD
-        already called, nothing changes: its own resume stays the faster one.)"""
+        already called, nothing changes: its own resume stays the faster one.) True if this is news."""
         if self.in_speech and not self.paused and self.decoder_quiet_since is None:
             self.decoder_quiet_since = since_sample
+            return True
+        return False
 
     def decoder_words(self, at_sample: int) -> list[Edge]:
         """The decoder heard words again after `decoder_silence`: the turn resumes."""

@@ -610,11 +610,10 @@ class SessionCore:
                 seg.overlap_class = None  # words after all: the talk over the answer starts with them
                 self.endpointer.speech_samples = 0
         if out.eou and words:
-            if self.endpointer.decoder_quiet_since is None and not self.endpointer.paused:
+            if self.endpointer.decoder_silence(seg.start_sample + int(SR * float(words[-1].end))):
                 log.info("session %s turn %d: the ASR decoder heard no word for %.0f ms after %r while the VAD "
                          "still hears sound: pausing the turn at the last word", self.session_id, seg.turn_id,
                          float(getattr(out, "trailing_silence_ms", 0.0)), words[-1].word)
-            self.endpointer.decoder_silence(seg.start_sample + int(SR * float(words[-1].end)))
         elif not out.eou and words and self.endpointer.decoder_quiet_since is not None:
             for edge in self.endpointer.decoder_words(seg.start_sample + int(SR * float(words[-1].start))):
                 self._on_edge(edge)
