@@ -1079,12 +1079,26 @@ def _finite(x: Any) -> Any:
     return x
 
 
+def is_corpus_debris(history: Iterable[Any], text: str) -> bool:
+    """A prompt made from a malformed chatterbot entry: trivia.yml's 14th conversation is one string,
+    not a list of lines, and the corpus readers walk it one character at a time ("h", "a", "-", ...).
+    Its prompts keep their place in the splits (a reader that skipped them would move every split and
+    every conversation chained from the answered prompts, so the shipped data and weights could no
+    longer be rebuilt), all held out; they are never written as evaluation prompts."""
+    users = [text] + [m["content"] if isinstance(m, Mapping) else m[1] for m in history
+                      if (m["role"] if isinstance(m, Mapping) else m[0]) == "user"]
+    return any(len(str(u).strip()) <= 1 for u in users)
+
+
 def write_eval(examples: Sequence[Mapping[str, Any]], idx: Iterable[int], out: Path) -> None:
-    """Held-out prompts (history, text) for the relay-vs-slow quality benchmark, one JSON per line."""
+    """Held-out prompts (history, text) for the relay-vs-slow quality benchmark, one JSON per line
+    (corpus debris left out, `is_corpus_debris`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f:
         for i in idx:
             ex = examples[i]
+            if is_corpus_debris(ex["history"], ex["text"]):
+                continue
             hist = [{"role": r, "content": c} for r, c in ex["history"]]
             f.write(json.dumps({"history": hist, "text": ex["text"], "group": ex["group"], "source": ex["source"],
                                 "label": ex["label"]}) + "\n")

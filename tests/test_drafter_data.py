@@ -59,3 +59,15 @@ def test_slow_answer_is_greedy_decoding(tokenizer) -> None:  # noqa: F811
             seq.append(tok)
     assert toks == ref and ended == (len(ref) < 8)
     assert warm.cache.get_seq_length() == len(warm.sys_ids)  # the warm cache is back to the system prompt
+
+
+def test_the_relay_benchmark_holds_no_corpus_debris(tmp_path) -> None:
+    # trivia.yml's 14th entry is one string: read as a list it gave one caller turn per character
+    assert TV.is_corpus_debris([], "h") and TV.is_corpus_debris((("user", "-"), ("assistant", "Sorry.")), "Who won")
+    assert not TV.is_corpus_debris([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "7"}], "Why")
+    rows = [json.loads(line) for line in (DD.DATA_DIR / "relay_eval.jsonl").read_text().splitlines()]
+    assert len(rows) == 480 and not [r["text"] for r in rows if TV.is_corpus_debris(r["history"], r["text"])]
+    # the writer leaves it out (the splits still count it, so the shipped ones stay reproducible)
+    ex = [{"history": [], "text": t, "group": "g", "source": "s", "label": 1} for t in ("h", "Who painted it")]
+    TV.write_eval(ex, [0, 1], tmp_path / "eval.jsonl")
+    assert [json.loads(line)["text"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()] == ["Who painted it"]
