@@ -11,11 +11,14 @@ training never saw (`dialogue/data/turn_eval.jsonl`, `dialogue/data/relay_eval.j
 3. **Relay versus slow-only** on the same prompts, alternating which goes first: onset (end of
    turn -> first audio chunk from the TTS, after the user's words were prefilled slice by slice as
    in the live service), fraction of drafts committed, verifier AUROC against the slow model's own
-   judgement of each draft, and answer quality judged by the slow model (the same judge for both).
+   judgement of each draft, and answer quality by two judges run by the slow model, the same for
+   both (`dialogue/judge.py`): its 1-9 rating, lenient at 0.5B, and a likelihood judge (how much more
+   likely the answer is after the caller's words than after a neutral turn, times P(it ends there)).
    Each prompt is answered three times: slow-only, with its draft committed, with it discarded; the
    relay at any verifier threshold is, prompt by prompt, one of the last two, so one pass gives every
    operating point (reported: the engine's, the verifier's named ones, and the sweep in the plot).
-   The judge's floor is measured too: each prompt graded with the answer to another prompt.
+   The judges' floor and validity are measured too: each prompt graded with the answer to another
+   prompt (`--resummarise FILE --rejudge` grades a stored run's answers again).
 """
 
 from __future__ import annotations
@@ -38,12 +41,6 @@ log = logging.getLogger("duplex.eval")
 
 DATA = Path(__file__).resolve().parent.parent / "dialogue" / "data"
 LABELS = ("listen", "backchannel", "speak")
-JUDGE_SYSTEM = "You grade the replies of a friendly voice assistant on a phone call. You are strict and fair."
-JUDGE_PROMPT = (
-    "{context}The caller said: \"{text}\"\nThe assistant replied: \"{answer}\"\n\n"
-    "Rate the reply from 1 (wrong, off-topic, broken or rambling) to 9 (correct, helpful, natural and short). "
-    "Answer with a single digit."
-)
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
@@ -191,36 +188,6 @@ def run_answer(stage: Any, tts: Any, history: list[dict[str, str]], text: str, r
     }
 
 
-def _judge_probs(stage: Any, content: str, answers: Sequence[str]) -> Any:
-    """The slow model's next-token distribution over `answers` (single tokens) after `content`."""
-    import torch
-
-    from dialogue.fast_decoder import decoder_hidden
-
-    model = stage.slow.lm.model
-    tok = stage.slow_tokenizer
-    msgs = [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": content}]
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    options = [tok.convert_tokens_to_ids(a) for a in answers]
-    with torch.inference_mode():
-        logits = model.lm_head(decoder_hidden(model, list(ids))[:, -1])[0].float()
-    return torch.softmax(logits[options], dim=-1)
-
-
-def _context(history: list[dict[str, str]]) -> str:
-    context = "".join(f"{'Caller' if m['role'] == 'user' else 'Assistant'}: {m['content']}\n" for m in history[-4:])
-    return f"Earlier in the call:\n{context}\n" if context else ""
-
-
-def judge(stage: Any, history: list[dict[str, str]], text: str, answer: str) -> float:
-    """Expected grade 1..9 from the slow model's next-token distribution over the digits."""
-    import torch
-
-    content = JUDGE_PROMPT.format(context=_context(history), text=text, answer=answer or "(silence)")
-    p = _judge_probs(stage, content, [str(d) for d in range(1, 10)])
-    return float((p * torch.arange(1, 10, dtype=torch.float32)).sum())
-
-
 def auroc(scores: Sequence[float], labels: Sequence[int]) -> float:
     pos = [s for s, y in zip(scores, labels, strict=True) if y]
     neg = [s for s, y in zip(scores, labels, strict=True) if not y]
@@ -247,20 +214,47 @@ def eval_relay(stage: Any, tts: Any, prompts: list[dict[str, Any]], progress: bo
         k = i % len(VARIANTS)  # rotate which goes first, so warm caches favour none
         res = {v: run_answer(stage, tts, history, text, v != "slow", _FORCE[v])
                for v in VARIANTS[k:] + VARIANTS[:k]}
-        slow = res["slow"]
-        slow["quality"] = judge(stage, history, text, slow["answer"])
-        for v in ("commit", "discard"):
-            same = res[v]["answer"] == slow["answer"]
-            res[v]["quality"] = slow["quality"] if same else judge(stage, history, text, res[v]["answer"])
         label = int(_slow_accepts(stage, history, text, res["commit"])) if res["commit"]["draft"] else None
         rows.append({"text": text, "history": history, "source": pr.get("source", ""), "p": res["commit"]["p"],
                      "label": label} | {v: res[v] for v in VARIANTS})
-    # the judge's floor: each prompt graded with the slow model's answer to the next prompt (fluent,
-    # on no topic of this call), so a quality ratio can be read against what a wrong answer scores
-    for i, row in enumerate(rows):
-        other = rows[(i + 1) % len(rows)]["slow"]["answer"]
-        row["mismatched_quality"] = judge(stage, row["history"], row["text"], other) if len(rows) > 1 else None
+    judge_rows(stage, rows, rating=True, progress=progress)
     return rows
+
+
+#: the judges of `dialogue.judge` and the key of their grade in each run: the slow model's 1-9
+#: rating ("quality", the first judge this evaluation had) and the likelihood judge, per token and whole
+JUDGES = {"rating": "quality", "likelihood": "quality_likelihood", "likelihood-total": "quality_likelihood_total"}
+
+
+def judge_rows(stage: Any, rows: list[dict[str, Any]], rating: bool, progress: bool = False) -> None:
+    """Grade every run of every row in place with the likelihood judge (and the rating judge when
+    `rating`), the same judges for all three runs. The judges' floor too: each prompt graded with the
+    slow model's answer to the next prompt (fluent, on no topic of this call), so a quality ratio can
+    be read against what a wrong answer scores (`mismatched_quality*`)."""
+    from tqdm.auto import tqdm
+
+    from dialogue.judge import LikelihoodJudge, RatingJudge
+
+    model, tok = stage.slow.lm.model, stage.slow_tokenizer
+    rate = RatingJudge(model, tok)
+    lik = LikelihoodJudge(model, tok, stage.system_prompt)
+    for i, row in enumerate(tqdm(rows, desc="judging", disable=not progress)):
+        history, text = row["history"], row["text"]
+        other = rows[(i + 1) % len(rows)]["slow"]["answer"] if len(rows) > 1 else None
+        answers = list(dict.fromkeys([row[v]["answer"] for v in VARIANTS] + ([other] if other is not None else [])))
+        scores = dict(zip(answers, lik.score(history, text, answers), strict=True))
+        for v in VARIANTS:
+            row[v]["likelihood"] = scores[row[v]["answer"]].as_dict()
+            row[v]["quality_likelihood"] = scores[row[v]["answer"]].quality
+            row[v]["quality_likelihood_total"] = scores[row[v]["answer"]].quality_total
+        row["mismatched_quality_likelihood"] = scores[other].quality if other is not None else None
+        row["mismatched_quality_likelihood_total"] = scores[other].quality_total if other is not None else None
+        if rating:
+            grades: dict[str, float] = {}
+            for v in VARIANTS:
+                a = row[v]["answer"]
+                row[v]["quality"] = grades[a] if a in grades else grades.setdefault(a, rate(history, text, a))
+            row["mismatched_quality"] = rate(history, text, other) if other is not None else None
 
 
 def _slow_accepts(stage: Any, history: list[dict[str, str]], text: str, r: dict[str, Any]) -> bool:
@@ -329,8 +323,7 @@ def at_threshold(rows: list[dict[str, Any]], point: Point, only: Sequence[int] |
     runs = [relay_run(r, t) for r, t in zip(rows, ts, strict=True)]
     on_r = [x["onset_s"] * 1000 for x in runs]
     on_s = [r["slow"]["onset_s"] * 1000 for r in rows]
-    q_r = [x["quality"] for x in runs]
-    q_s = [r["slow"]["quality"] for r in rows]
+    rating = quality_of(rows, runs, "rating")
     committed = [x["committed"] for x in runs]
     return {
         "threshold": threshold,  # the mean, for a rolling point
@@ -340,15 +333,32 @@ def at_threshold(rows: list[dict[str, Any]], point: Point, only: Sequence[int] |
             "slow_only": {"p50": percentile(on_s, 50), "p90": percentile(on_s, 90)},
         },
         "p90_ratio": percentile(on_r, 90) / percentile(on_s, 90) if rows else float("nan"),
-        "quality": {"relay": float(np.mean(q_r)) if q_r else float("nan"),
-                    "slow_only": float(np.mean(q_s)) if q_s else float("nan")},
-        "quality_ratio": float(np.mean(q_r) / np.mean(q_s)) if q_s and np.mean(q_s) > 0 else float("nan"),
+        # the rating judge's, kept at the top level as the first runs stored them
+        "quality": {"relay": rating["relay"], "slow_only": rating["slow_only"]},
+        "quality_ratio": rating["ratio"],
         # how much of the judge's range between a mismatched answer and slow-only the relay keeps
-        "quality_kept": _kept(np.mean(q_r) if q_r else float("nan"), np.mean(q_s) if q_s else float("nan"),
-                              [r.get("mismatched_quality") for r in rows]),
+        "quality_kept": rating["kept"],
+        "judges": {name: quality_of(rows, runs, name) for name in JUDGES if all(JUDGES[name] in r["slow"] for r in rows)},
         "answers_changed": sum(x["answer"] != r["slow"]["answer"] for x, r in zip(runs, rows, strict=True)),
         "committed_fraction": sum(committed) / len(committed) if committed else float("nan"),
         "copied_openings": copied_openings(rows, runs),
+    }
+
+
+def quality_of(rows: list[dict[str, Any]], runs: list[dict[str, Any]], judge: str) -> dict[str, Any]:
+    """One judge's grades of the relay's `runs` against slow-only on `rows`: means, their ratio, the
+    share of the range above a mismatched answer kept, and the share of prompts whose relay answer
+    is graded at least as well as slow-only's."""
+    key = JUDGES[judge]
+    q_r = [x[key] for x in runs]
+    q_s = [r["slow"][key] for r in rows]
+    m_r = float(np.mean(q_r)) if q_r else float("nan")
+    m_s = float(np.mean(q_s)) if q_s else float("nan")
+    return {
+        "relay": m_r, "slow_only": m_s,
+        "ratio": m_r / m_s if q_s and m_s > 0 else float("nan"),
+        "kept": _kept(m_r, m_s, [r.get(f"mismatched_{key}") for r in rows]),
+        "not_worse": float(np.mean([a >= b for a, b in zip(q_r, q_s, strict=True)])) if q_s else float("nan"),
     }
 
 
@@ -396,6 +406,20 @@ def _kept(q_relay: float, q_slow: float, floor: Sequence[float | None]) -> float
     return float((q_relay - np.mean(f)) / (q_slow - np.mean(f)))
 
 
+def judge_validity(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per judge (where every row has its grades): slow-only's answer against the same prompt graded
+    with another prompt's answer (`dialogue.judge.validity`)."""
+    from dialogue.judge import validity
+
+    out = {}
+    for name, key in JUDGES.items():
+        pairs = [(r["slow"][key], r[f"mismatched_{key}"]) for r in rows
+                 if key in r["slow"] and r.get(f"mismatched_{key}") is not None]
+        if pairs and len(pairs) == len(rows):
+            out[name] = validity([g for g, _ in pairs], [b for _, b in pairs])
+    return out
+
+
 def summarise_relay(rows: list[dict[str, Any]], threshold: Point,
                     points: dict[str, Point] | None = None) -> dict[str, Any]:
     """The relay at the engine's threshold, at the verifier's named operating points, and the sweep
@@ -415,6 +439,8 @@ def summarise_relay(rows: list[dict[str, Any]], threshold: Point,
         "by_kind": {name: at_threshold(rows, threshold, idx) | {"n": len(idx)}
                     for name, idx in by_kind.items() if idx and len(idx) < len(rows)},
         "quality_mismatched": float(np.mean(floor)) if floor else float("nan"),
+        # how well each judge tells slow-only's answer from the answer to another prompt, on these rows
+        "judge_validity": judge_validity(rows),
         "verifier_auroc": auroc([p for p, _ in labelled], [y for _, y in labelled]),
         "n_labelled": len(labelled),
         "operating_points": {name: with_decisions(t) for name, t in (points or {}).items()},
@@ -460,17 +486,29 @@ def report(results: dict[str, Any]) -> str:
                 f"(target <= 0.50); quality {m['quality']['relay']:.2f} vs {m['quality']['slow_only']:.2f} "
                 f"= {fmt_pct(m['quality_ratio'])} (target >= 95 %), {fmt_pct(m['quality_kept'])} of the range above "
                 f"a mismatched answer kept; {m['answers_changed']} answers differ from slow-only")
+            for judge, q in (m.get("judges") or {}).items():
+                if judge != "rating":
+                    lines.append(f"  {'':9s} {judge} judge: {q['relay']:.3f} vs {q['slow_only']:.3f} = "
+                                 f"{fmt_pct(q['ratio'])} (target >= 95 %), {fmt_pct(q['kept'])} of the range kept; "
+                                 f"relay graded at least as well on {fmt_pct(q['not_worse'])} of prompts")
         for name, m in (r.get("by_kind") or {}).items():
             o = m["onset_ms"]
             lines.append(f"  engine on {name} (n={m['n']}): committed {fmt_pct(m['committed_fraction'])}; onset P90 "
                          f"{o['relay']['p90']:.0f} vs {o['slow_only']['p90']:.0f} ms ({m['p90_ratio']:.2f}); quality "
-                         f"{fmt_pct(m['quality_ratio'])}, {fmt_pct(m['quality_kept'])} of the range kept")
+                         f"{fmt_pct(m['quality_ratio'])}, {fmt_pct(m['quality_kept'])} of the range kept"
+                         + "".join(f"; {j} judge {fmt_pct(q['ratio'])}" for j, q in (m.get("judges") or {}).items()
+                                   if j != "rating"))
         c = r.get("copied_openings") or {}
         if c.get("n"):
             lines.append(f"  answers starting with the first 3 words of an earlier answer (n={c['n']} prompts with "
                          f"history): relay {fmt_pct(c['relay'])} vs slow-only {fmt_pct(c['slow_only'])}")
-        lines.append(f"  (the judge grades the slow model's answer to another prompt {r['quality_mismatched']:.2f}: "
-                     f"the floor of its range)")
+        for judge, v in (r.get("judge_validity") or {}).items():
+            lines.append(f"  ({judge} judge: slow-only's answer vs the answer to another prompt AUROC {v['auroc']:.3f}; "
+                         f"the other prompt's answer scores {fmt_pct(v['bad_ratio'])} of slow-only's: a wrong answer's "
+                         f"'quality ratio')")
+        if not r.get("judge_validity"):
+            lines.append(f"  (the judge grades the slow model's answer to another prompt {r['quality_mismatched']:.2f}: "
+                         f"the floor of its range)")
     return "\n".join(lines)
 
 
@@ -502,9 +540,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
         sw = sorted(r["sweep"], key=lambda m: m["committed_fraction"])
         cf = [100 * m["committed_fraction"] for m in sw]
         ax.plot(cf, [m["p90_ratio"] for m in sw], color="#1f77b4", label="onset P90 ratio (relay / slow)")
-        ax.plot(cf, [m["quality_ratio"] for m in sw], color="#2ca02c", label="quality ratio (grades)")
+        ax.plot(cf, [m["quality_ratio"] for m in sw], color="#2ca02c", label="quality ratio (rating judge)")
+        for judge, color in (("likelihood", "#ff7f0e"), ("likelihood-total", "#8c564b")):
+            if all(judge in (m.get("judges") or {}) for m in sw):
+                ax.plot(cf, [m["judges"][judge]["ratio"] for m in sw], color=color,
+                        label=f"quality ratio ({judge} judge)")
         ax.plot(cf, [m["quality_kept"] for m in sw], color="#9467bd", ls="--",
-                label="quality kept above a mismatched answer")
+                label="rating judge: share kept above a mismatched answer")
         ax.axhline(0.5, color="#1f77b4", ls=":", lw=1)
         ax.axhline(0.95, color="#2ca02c", ls=":", lw=1)
         for name, m in (r.get("operating_points") or {}).items():
@@ -548,12 +590,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--resummarise", metavar="JSON", default=None,
                     help="run no model: recompute a previous run's relay summaries (its stored runs) with the "
                          "current operating points and veto rules, and rewrite the report and plot in --out")
+    ap.add_argument("--rejudge", action="store_true",
+                    help="with --resummarise: grade the stored answers again with every judge of "
+                         "dialogue/judge.py (loads the slow model only; ~20 min for 519 prompts)")
     ap.add_argument("--no-progress", action="store_true")
 
 
-def resummarise(path: Path, profile_name: str | None) -> dict[str, Any]:
+def prompt_key(row: dict[str, Any]) -> str:
+    """A relay prompt's identity: its history and text."""
+    return json.dumps([[[m["role"], m["content"]] for m in row.get("history") or []], row["text"]])
+
+
+def resummarise(path: Path, profile_name: str | None, rejudge: bool = False,
+                progress: bool = True) -> dict[str, Any]:
     """A previous run's results with its relay rows re-judged: the veto recomputed for each stored
-    draft (`verifier.draft_veto`) and the operating points of the profile's verifier."""
+    draft (`verifier.draft_veto`) and the operating points of the profile's verifier; with `rejudge`,
+    every stored answer graded again by the judges (the slow model's rating where a row lacks it)."""
     from dialogue.engine import DrafterOptions, previous_answer, verifier_operating_point
     from dialogue.verifier import draft_veto, load_verifier
     from duplex.config import load_profile
@@ -562,10 +614,28 @@ def resummarise(path: Path, profile_name: str | None) -> dict[str, Any]:
     if not (results.get("relay") or {}).get("rows"):
         raise SystemExit(f"eval dialogue: {path} holds no relay rows to re-summarise")
     rows = results["relay"]["rows"]
+    # only the prompts still held out: a prompt removed from relay_eval.jsonl since (the corpus entry
+    # that was read one character at a time) leaves the summaries
+    held = {prompt_key(p) for p in read_jsonl(DATA / "relay_eval.jsonl")}
+    dropped = [r["text"] for r in rows if prompt_key(r) not in held]
+    if dropped:
+        log.warning("eval dialogue: %d stored prompts are no longer held out and are left out: %s", len(dropped),
+                    ", ".join(repr(t) for t in dropped[:8]) + (" ..." if len(dropped) > 8 else ""))
+        rows = [r for r in rows if prompt_key(r) in held]
+        results["dropped_prompts"] = len(dropped) + int(results.get("dropped_prompts") or 0)
     for r in rows:
         c = r["commit"]
         msgs = r["history"] + [{"role": "user", "content": r["text"]}]
         c["veto"] = draft_veto(c["prefix"], previous_answer(msgs), r["text"]) if c["prefix"].strip() else None
+    if rejudge:
+        from dialogue.engine import load_dialogue_stage
+
+        stage = load_dialogue_stage(load_profile(profile_name).component("llm"), None, progress=progress)
+        if stage.slow is None:
+            raise SystemExit("eval dialogue: the judge is the in-process slow model; this profile's llm is remote")
+        need_rating = any("quality" not in r[v] for r in rows for v in VARIANTS)
+        judge_rows(stage, rows, rating=need_rating, progress=progress)
+        results["rejudged"] = time.strftime("%Y-%m-%d %H:%M")
     drafter = load_profile(profile_name).components.get("drafter")
     opts = DrafterOptions.from_mapping(drafter.options if drafter is not None else {})
     _, _, meta = load_verifier(None if opts.verifier == "shipped" else Path(opts.verifier).expanduser())
@@ -578,8 +648,12 @@ def resummarise(path: Path, profile_name: str | None) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    progress = not args.no_progress
     if args.resummarise:
-        return write_results(resummarise(Path(args.resummarise), args.profile), Path(args.out))
+        return write_results(resummarise(Path(args.resummarise), args.profile, args.rejudge, progress),
+                             Path(args.out))
+    if args.rejudge:
+        raise SystemExit("eval dialogue: --rejudge grades the runs stored in a --resummarise file")
 
     from asr.moonshine import load_asr_stage
     from dialogue.engine import load_dialogue_stage
@@ -587,7 +661,6 @@ def run(args: argparse.Namespace) -> int:
     from tts.hibari_tts import load_tts_stage
 
     torch.manual_seed(args.seed)
-    progress = not args.no_progress
     profile = load_profile(args.profile)
     drafter = profile.components.get("drafter")
     if drafter is None:

@@ -76,9 +76,10 @@ def test_relay_at_any_threshold_is_the_committed_or_the_discarded_run():
     assert "P90 ratio" in text and "pause takeover" in text and "latency" in text
 
 
-def test_resummarise_rejudges_stored_runs(tmp_path):
+def test_resummarise_rejudges_stored_runs(tmp_path, monkeypatch):
     import json
 
+    import duplex.eval_dialogue as E
     from duplex.eval_dialogue import resummarise
 
     rows = []
@@ -88,8 +89,15 @@ def test_resummarise_rejudges_stored_runs(tmp_path):
         history = [{"role": "user", "content": "a story"}, {"role": "assistant", "content": "The dragon is a"}] if i == 0 else []
         rows.append({"p": 0.99, "label": 1, "text": "what is two plus two", "history": history,
                      "slow": _run(0.3, 6.0), "commit": commit, "discard": _run(0.35, 6.0), "mismatched_quality": 4.0})
+    # a stored prompt that is no longer held out (removed from relay_eval.jsonl since) leaves the summaries
+    gone = rows[-1] | {"text": "h"}
+    held = {json.dumps({"history": r["history"], "text": r["text"]}) for r in rows}
+    (tmp_path / "relay_eval.jsonl").write_text("\n".join(held) + "\n")
+    monkeypatch.setattr(E, "DATA", tmp_path)
     path = tmp_path / "dialogue.json"
-    path.write_text(json.dumps({"relay": {"rows": rows}}))
-    r = resummarise(path, None)["relay"]
+    path.write_text(json.dumps({"relay": {"rows": rows + [gone]}}))
+    res = resummarise(path, None)
+    r = res["relay"]
+    assert res["dropped_prompts"] == 1 and r["n"] == 10
     assert [row["commit"]["veto"] for row in r["rows"]] == ["repeat"] + [None] * 9
     assert r["committed_fraction"] == 0.9 and set(r["operating_points"]) >= {"balanced", "latency"}
