@@ -592,7 +592,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "current operating points and veto rules, and rewrite the report and plot in --out")
     ap.add_argument("--rejudge", action="store_true",
                     help="with --resummarise: grade the stored answers again with every judge of "
-                         "dialogue/judge.py (loads the slow model only; ~20 min for 519 prompts)")
+                         "dialogue/judge.py (loads the slow model only; ~8 min for 480 prompts)")
     ap.add_argument("--no-progress", action="store_true")
 
 
