@@ -244,17 +244,15 @@ def judge_rows(stage: Any, rows: list[dict[str, Any]], rating: bool, progress: b
         answers = list(dict.fromkeys([row[v]["answer"] for v in VARIANTS] + ([other] if other is not None else [])))
         scores = dict(zip(answers, lik.score(history, text, answers), strict=True))
         for v in VARIANTS:
-            row[v]["likelihood"] = scores[row[v]["answer"]].as_dict()
-            row[v]["quality_likelihood"] = scores[row[v]["answer"]].quality
-            row[v]["quality_likelihood_total"] = scores[row[v]["answer"]].quality_total
+            s = scores[row[v]["answer"]]
+            row[v] |= {"likelihood": s.as_dict(), "quality_likelihood": s.quality, "quality_likelihood_total": s.quality_total}
         row["mismatched_quality_likelihood"] = scores[other].quality if other is not None else None
         row["mismatched_quality_likelihood_total"] = scores[other].quality_total if other is not None else None
         if rating:
-            grades: dict[str, float] = {}
+            grades = {a: rate(history, text, a) for a in answers}  # each distinct answer once, the mismatched one too
             for v in VARIANTS:
-                a = row[v]["answer"]
-                row[v]["quality"] = grades[a] if a in grades else grades.setdefault(a, rate(history, text, a))
-            row["mismatched_quality"] = rate(history, text, other) if other is not None else None
+                row[v]["quality"] = grades[row[v]["answer"]]
+            row["mismatched_quality"] = grades[other] if other is not None else None
 
 
 def _slow_accepts(stage: Any, history: list[dict[str, str]], text: str, r: dict[str, Any]) -> bool:
