@@ -242,7 +242,12 @@ def judge_rows(stage: Any, rows: list[dict[str, Any]], rating: bool, progress: b
         history, text = row["history"], row["text"]
         other = rows[(i + 1) % len(rows)]["slow"]["answer"] if len(rows) > 1 else None
         answers = list(dict.fromkeys([row[v]["answer"] for v in VARIANTS] + ([other] if other is not None else [])))
-        scores = dict(zip(answers, lik.score(history, text, answers), strict=True))
+        prefix = row["commit"].get("prefix") or ""
+        scored = lik.score(history, text, answers + ([prefix] if prefix.strip() else []))
+        scores = dict(zip(answers, scored[: len(answers)], strict=True))
+        # the slow model's own mean log-probability of the committed words: what the verifier
+        # approximates from the drafter's side, for the bound in `slow_scored_relay`
+        row["commit"]["prefix_logp"] = scored[-1].logp / scored[-1].n_tokens if prefix.strip() and scored[-1].n_tokens else None
         for v in VARIANTS:
             s = scores[row[v]["answer"]]
             row[v] |= {"likelihood": s.as_dict(), "quality_likelihood": s.quality, "quality_likelihood_total": s.quality_total}
@@ -418,6 +423,23 @@ def judge_validity(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def slow_scored_relay(rows: list[dict[str, Any]], n_committed: int) -> dict[str, Any] | None:
+    """The relay if the verifier were the slow model itself: the same number of drafts committed,
+    the ones whose words the slow model finds likeliest (mean log-probability in context; the veto
+    still applies). A bound on what any verifier of the drafts can buy at that commit rate (it needs
+    the slow model's forward over the draft, the latency the verifier exists to avoid); None when the
+    rows have no such scores (runs stored before it was measured)."""
+    cand = [i for i, r in enumerate(rows) if r["commit"]["committed"] and not r["commit"].get("veto")
+            and r["p"] is not None]
+    if not cand or any(rows[i]["commit"].get("prefix_logp") is None for i in cand):
+        return None
+    keep = set(sorted(cand, key=lambda i: -rows[i]["commit"]["prefix_logp"])[:n_committed])
+    runs = [r["commit"] if i in keep else r["discard"] for i, r in enumerate(rows)]
+    return {"committed_fraction": len(keep) / len(rows),
+            "judges": {name: quality_of(rows, runs, name) for name in JUDGES
+                       if all(JUDGES[name] in r["slow"] for r in rows)}}
+
+
 def summarise_relay(rows: list[dict[str, Any]], threshold: Point,
                     points: dict[str, Point] | None = None) -> dict[str, Any]:
     """The relay at the engine's threshold, at the verifier's named operating points, and the sweep
@@ -431,8 +453,10 @@ def summarise_relay(rows: list[dict[str, Any]], threshold: Point,
         return at_threshold(rows, point) | {"decisions": [relay_run(r, t) is r["commit"] for r, t in zip(rows, ts, strict=True)]}
 
     by_kind = {name: [i for i, r in enumerate(rows) if keep(r)] for name, keep in KINDS.items()}
-    return with_decisions(threshold) | {
+    engine = with_decisions(threshold)
+    return engine | {
         "n": len(rows),
+        "slow_scored": slow_scored_relay(rows, sum(engine["decisions"])),
         # the engine's point on single turns and on conversations apart (the long-session failure)
         "by_kind": {name: at_threshold(rows, threshold, idx) | {"n": len(idx)}
                     for name, idx in by_kind.items() if idx and len(idx) < len(rows)},
@@ -500,6 +524,11 @@ def report(results: dict[str, Any]) -> str:
         if c.get("n"):
             lines.append(f"  answers starting with the first 3 words of an earlier answer (n={c['n']} prompts with "
                          f"history): relay {fmt_pct(c['relay'])} vs slow-only {fmt_pct(c['slow_only'])}")
+        b = r.get("slow_scored")
+        if b:
+            lines.append(f"  bound: the slow model's own score of each draft as the verifier, "
+                         f"{fmt_pct(b['committed_fraction'])} committed: "
+                         + ", ".join(f"{j} judge {fmt_pct(q['ratio'])}" for j, q in b["judges"].items()))
         for judge, v in (r.get("judge_validity") or {}).items():
             lines.append(f"  ({judge} judge: slow-only's answer vs the answer to another prompt AUROC {v['auroc']:.3f}; "
                          f"the other prompt's answer scores {fmt_pct(v['bad_ratio'])} of slow-only's: a wrong answer's "

@@ -77,7 +77,8 @@ def test_eval_rows_are_graded_by_every_judge_and_summarised(tokenizer):  # noqa:
     stage = DialogueStage(model, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12))
 
     def run(answer, onset, committed=False):
-        return {"answer": answer, "onset_s": onset, "committed": committed}
+        return {"answer": answer, "onset_s": onset, "committed": committed} | (
+            {"prefix": " ".join(answer.split()[:2])} if committed else {})
 
     rows = [{"text": t, "history": [], "source": "", "p": 0.9, "label": 1,
              "slow": run(a, 0.3), "commit": run(c, 0.05, True), "discard": run(a, 0.35)}
@@ -98,3 +99,13 @@ def test_eval_rows_are_graded_by_every_judge_and_summarised(tokenizer):  # noqa:
     assert lik["slow_only"] == pytest.approx(sum(r["slow"]["quality_likelihood"] for r in rows) / 3)
     assert s["judges"]["rating"]["ratio"] == s["quality_ratio"]
     assert set(s["judge_validity"]) == {"rating", "likelihood", "likelihood-total"} and s["judge_validity"]["likelihood"]["n"] == 3
+    # the bound with the slow model as the verifier: its own score of each committed prefix, as many committed
+    assert all(isinstance(r["commit"]["prefix_logp"], float) for r in rows)
+    bound = s["slow_scored"]
+    assert bound["committed_fraction"] == s["committed_fraction"] == 1.0 and bound["judges"] == s["judges"]
+    rows[0]["p"] = 0.1  # the verifier drops one draft: the bound drops the one the slow model likes least
+    s = summarise_relay(rows, threshold=0.5)
+    worst = min(range(3), key=lambda i: rows[i]["commit"]["prefix_logp"])
+    kept = [rows[i]["commit" if i != worst else "discard"]["quality_likelihood"] for i in range(3)]
+    assert s["slow_scored"]["committed_fraction"] == pytest.approx(2 / 3)
+    assert s["slow_scored"]["judges"]["likelihood"]["relay"] == pytest.approx(sum(kept) / 3)
