@@ -144,22 +144,17 @@ class LikelihoodJudge:
                 for i, r, n in zip(ids, real, neutral, strict=True)]
 
 
-def auroc(pos: Sequence[float], neg: Sequence[float]) -> float:
-    """P(a score from `pos` > one from `neg`), ties half (nan when either is empty)."""
-    if not pos or not neg:
-        return float("nan")
-    return sum((p > q) + 0.5 * (p == q) for p in pos for q in neg) / (len(pos) * len(neg))
-
-
 def validity(good: Sequence[float], bad: Sequence[float]) -> dict[str, float]:
     """How well a judge tells each prompt's own answer (`good`) from a bad one for the same prompt
     (`bad`, paired): AUROC over all pairs, the share of prompts where the own answer wins, and the
     bad answers' mean as a share of the good ones' (what a "quality ratio" of a bad answer would be)."""
+    from dialogue.train_verifier import auroc
+
     n = len(good)
     mean_good = sum(good) / n if n else float("nan")
     return {
         "n": n,
-        "auroc": auroc(good, bad),
+        "auroc": auroc(list(good) + list(bad), [1] * n + [0] * len(bad)),
         "paired_wins": sum((g > b) + 0.5 * (g == b) for g, b in zip(good, bad, strict=True)) / n if n else float("nan"),
         "bad_ratio": (sum(bad) / n) / mean_good if n and mean_good else float("nan"),
     }
@@ -170,10 +165,9 @@ def validity(good: Sequence[float], bad: Sequence[float]) -> dict[str, float]:
 
 def check_prompts(n: int, seed: int) -> list[dict[str, Any]]:
     """`n` answered prompts from the drafter's training split (ended answers, not code-length)."""
-    from dialogue.drafter_data import TARGETS_FILE
+    from dialogue.drafter_data import read_targets
 
-    rows = [json.loads(line) for line in TARGETS_FILE.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["split"] == "train" and r["ended"] and len(r["answer"]) < 300]
+    rows = [r for r in read_targets().values() if r["split"] == "train" and r["ended"] and len(r["answer"]) < 300]
     random.Random(seed).shuffle(rows)
     for r in rows:
         r["history"] = [{"role": m[0], "content": m[1]} if isinstance(m, list) else m for m in r.get("history") or []]
