@@ -13,12 +13,19 @@
    (`score_prefix`: mean and min token log-prob) and drafts its own first words with the same
    procedure (diagnostics: does the first word match?). Features are cached one file per prompt
    under $DUPLEX_CACHE/verifier_features (default ~/.cache/duplex), so a rerun resumes.
-3. Labels (`label_examples`, `judge_prefix`): acceptable iff the prefix is not empty, not another
-   script, not markup/code and not an echo of the question, and either the slow model's own greedy
-   opening or every token passes typical acceptance under the slow model (`Acceptance`: Medusa's
-   p >= min(epsilon, delta * exp(-entropy))).
+3. Labels, `--labels judge` (the default; dialogue/relay_labels.py): acceptable iff committing the
+   draft does not cost the answer, by the likelihood judge the relay is evaluated with: the prefix
+   plus the slow model's greedy continuation against the slow model's own answer (losing at most
+   `relay_labels.MARGIN` nats per token), and the prefix is not empty, another script or markup.
+   Each draft's judgement is cached next to its features (~30 min for all, resumable).
+   `--labels typical` (the first verifier's; `label_examples`, `judge_prefix`): acceptable iff the
+   prefix is not empty, not another script, not markup/code and not an echo of the question, and
+   either the slow model's own greedy opening or every token passes typical acceptance under the
+   slow model (`Acceptance`: Medusa's p >= min(epsilon, delta * exp(-entropy))).
 4. Split by conversation / template family (seeded) into train/val/held-out; focal loss + AdamW,
-   early stopping on val AUROC, threshold tuned for macro-F1 on val; held-out metrics go into the
+   early stopping on val AUROC, `--restarts` training seeds of which the one whose ranking loses
+   least on the validation drafts at the latency point's commit share is kept (with judge labels;
+   else the best val AUROC), threshold tuned for macro-F1 on val; held-out metrics go into the
    metadata next to the weights, the held-out prompts into dialogue/data/relay_eval.jsonl.
 """
 
@@ -585,7 +592,8 @@ def build_dataset(prompts: Sequence[Prompt], progress: bool = True, adapter: Pat
     out = []
     for p, f in tqdm(keyed, desc="loading features", disable=not progress):
         ex = torch.load(f, weights_only=False)
-        ex.update(group=p.group, source=p.source, history=[list(h) for h in p.history], text=p.text)
+        ex.update(group=p.group, source=p.source, history=[list(h) for h in p.history], text=p.text,
+                  feature_file=str(f))
         out.append(ex)
     return out
 
@@ -702,15 +710,18 @@ def collate(examples: Sequence[Mapping[str, Any]], max_len: int = V.MAX_DRAFT_TO
     return hidden, stats, mask
 
 
-def focal_loss(logits: torch.Tensor, target: torch.Tensor, alpha: float = 0.5, gamma: float = 2.0) -> torch.Tensor:
+def focal_loss(logits: torch.Tensor, target: torch.Tensor, alpha: float = 0.5, gamma: float = 2.0,
+               weight: torch.Tensor | None = None) -> torch.Tensor:
     """Mean binary focal loss: easy examples (p_t near 1) count less, so the hard boundary cases
-    (fluent-but-wrong drafts) shape the verifier. alpha weighs the positives, 1-alpha the negatives."""
+    (fluent-but-wrong drafts) shape the verifier. alpha weighs the positives, 1-alpha the negatives;
+    `weight`, if given, each example (how much a wrong decision on it costs)."""
     target = target.float()
     ce = torch.nn.functional.binary_cross_entropy_with_logits(logits, target, reduction="none")
     p = torch.sigmoid(logits)
     p_t = p * target + (1 - p) * (1 - target)
     a_t = alpha * target + (1 - alpha) * (1 - target)
-    return (a_t * (1 - p_t) ** gamma * ce).mean()
+    loss = a_t * (1 - p_t) ** gamma * ce
+    return (loss * weight if weight is not None else loss).mean()
 
 
 def auroc(scores: Sequence[float] | torch.Tensor, labels: Sequence[int] | torch.Tensor) -> float:
@@ -827,8 +838,10 @@ def train_verifier(
     y_val: torch.Tensor,
     cfg: TrainConfig | None = None,
     progress: bool = False,
+    weight: torch.Tensor | None = None,
 ) -> tuple[V.Verifier, dict[str, Any]]:
-    """Focal loss + AdamW, keep the epoch with the best val AUROC (early stop after `patience`)."""
+    """Focal loss + AdamW, keep the epoch with the best val AUROC (early stop after `patience`);
+    `weight`: per training example (see `focal_loss`)."""
     from tqdm import tqdm
 
     cfg = cfg or TrainConfig()
@@ -850,7 +863,8 @@ def train_verifier(
         total = 0.0
         for i in range(0, n, cfg.batch):
             idx = perm[i : i + cfg.batch]
-            loss = focal_loss(model.logits(*(t[idx] for t in train)), y_train[idx], alpha, cfg.gamma)
+            loss = focal_loss(model.logits(*(t[idx] for t in train)), y_train[idx], alpha, cfg.gamma,
+                              None if weight is None else weight[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -896,6 +910,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(thresholds, operating points) only")
     ap.add_argument("--no-conversations", action="store_true",
                     help="single user turns only (no dialogue/multi_turn.py conversations)")
+    ap.add_argument("--labels", choices=("judge", "typical"), default="judge",
+                    help="judge: does committing the draft lose answer quality by the likelihood judge "
+                         "(dialogue/relay_labels.py); typical: typical acceptance of the draft's words")
+    ap.add_argument("--margin", type=float, default=None,
+                    help="judge labels: the per-token PMI a committed draft may lose and stay acceptable")
+    ap.add_argument("--restarts", type=int, default=3,
+                    help="train this many times (training seeds seed, seed+1, ...) and keep the best on validation: "
+                         "by the judge's loss at the latency point with judge labels, else by AUROC")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -921,11 +943,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     acc = Acceptance(args.epsilon, args.delta)
     labels = label_examples(examples, acc)
+    label_rule = acc.rule
+    if args.labels == "judge":
+        from dialogue import relay_labels as RL
+
+        margin = RL.MARGIN if args.margin is None else args.margin
+        results = RL.judge_dataset(examples, [Path(ex["feature_file"]) for ex in examples], progress)
+        labels = RL.label_examples(examples, results, margin)
+        label_rule = RL.rule(margin)
     reasons: dict[str, int] = {}
     for ex in examples:
         reasons[ex["reason"]] = reasons.get(ex["reason"], 0) + 1
     usable = [i for i, ex in enumerate(examples) if ex["hidden"].shape[0] > 0]
-    print(f"labels: {acc.rule}", file=sys.stderr)
+    print(f"labels: {label_rule}", file=sys.stderr)
     print(f"labels: {sum(labels)}/{len(labels)} positive ({sum(labels) / len(labels):.1%}); {reasons}; "
           f"{len(examples) - len(usable)} with no drafted token are left out", file=sys.stderr)
 
@@ -947,7 +977,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = TrainConfig(**{k: v for k, v in (info.pop("config", None) or {}).items()
                              if k in TrainConfig.__dataclass_fields__})
     else:
-        model, info = train_verifier(tensors["train"], ys["train"], tensors["val"], ys["val"], cfg, progress)
+        runs = []
+        for k in range(max(1, args.restarts)):
+            cfg_k = TrainConfig(seed=args.seed + k)
+            model_k, info_k = train_verifier(tensors["train"], ys["train"], tensors["val"], ys["val"], cfg_k, progress)
+            p_k = predict(model_k, tensors["val"])
+            if args.labels == "judge":
+                # what the relay loses on the validation drafts when it commits the share the latency
+                # point commits, the drafts taken in the order of this run's scores (lower is better)
+                info_k["val_relay_loss"] = RL.relay_loss(p_k.tolist(), [examples[i]["loss"] for i in sets["val"]],
+                                                         LATENCY_COMMIT)
+                crit = -info_k["val_relay_loss"]
+            else:
+                crit = float(info_k["best_val_auroc"])
+            print(f"training run {k + 1}/{args.restarts} (seed {cfg_k.seed}): val AUROC "
+                  f"{info_k['best_val_auroc']:.3f}" + (f", val relay loss {info_k['val_relay_loss']:.4f}"
+                                                        if "val_relay_loss" in info_k else ""), file=sys.stderr)
+            runs.append((crit, k, model_k, info_k, cfg_k))
+        _, _, model, info, cfg = max(runs, key=lambda r: (r[0], -r[1]))
+        info["restarts"] = [{"seed": c.seed, "best_val_auroc": i["best_val_auroc"],
+                             "val_relay_loss": i.get("val_relay_loss")} for _, _, _, i, c in runs]
     p_val = predict(model, tensors["val"])
     thr = tune_threshold(p_val, ys["val"])
     thr_latency = V.commit_threshold(p_val, LATENCY_COMMIT)
@@ -1009,8 +1058,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "draft_rule": {"max_words": V.MAX_DRAFT_WORDS, "max_tokens": V.MAX_DRAFT_TOKENS,
                        "stop": "EOS/<|im_end|>, >= max_words complete words, sentence end (. ! ?), max_tokens",
                        "prefix": "cut back to the last complete word (closing punctuation kept)"},
-        "label_rule": acc.rule,
+        "label_rule": label_rule,
+        "labels": args.labels,
         "acceptance": {"epsilon": acc.epsilon, "delta": acc.delta},
+        "judge_labels": ({"margin": margin, "answer_tokens": RL.LABEL_TOKENS, "version": RL.LABEL_VERSION}
+                         if args.labels == "judge" else None),
         "data": {
             "prompts": len(prompts),
             "sources": by_source,

@@ -1,0 +1,171 @@
+"""Labels for the relay verifier from the judge the relay is measured by: does committing this draft
+cost the answer?
+
+The first verifier learned *typical acceptance*: would the slow model have found the draft's words
+likely enough? That label is blind to what the relay is judged on. "I'm sorry, but" is a likely
+opening for the slow model after almost anything, so a refusal draft passes it, and then the slow
+model, continuing from those words, refuses a question it would have answered. On the relay
+benchmark the typical-acceptance verifier ranks the drafts by the answer quality they lose at an
+AUROC of only ~0.57.
+
+This module labels each draft by its consequence instead, with the likelihood judge of
+`dialogue.judge` (the slow model's per-token log-probability of an answer after the caller's words,
+against after a neutral "Hello."):
+
+* the slow model's own greedy answer (the drafter's distillation target, `drafter_targets.jsonl`,
+  at most `LABEL_TOKENS` tokens; made here when a prompt has none);
+* the relay's answer: the committed prefix, then the slow model's greedy continuation of it, to the
+  same `LABEL_TOKENS`;
+* `loss` = judge(slow-only) - judge(relay), each the judge's per-token PMI floored at 0 (the answers
+  are cut at `LABEL_TOKENS`, so the judge's P(turn ends) factor is left out: a cut answer does not end).
+
+A prefix the slow model's own answer starts with costs nothing (its greedy continuation *is* that
+answer), so about half the drafts need neither the continuation nor the judge. The result per draft
+is cached next to its features (`<key>.judge.json`), so a rerun resumes.
+
+`judge_label` turns a loss into the verifier's target: acceptable iff it loses at most `MARGIN`.
+The rules of `train_verifier.forced_negative` that the engine's veto also holds (empty, another
+script, markup) still make a draft unacceptable whatever the judge says; an echo of the question is
+judged by the answer it leads to, like any other opening.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+#: answer tokens each side is judged on (the drafter's targets hold this many)
+LABEL_TOKENS = 32
+#: a draft is acceptable iff the relay answer loses at most this much per-token PMI (nats)
+MARGIN = 0.3
+#: bump when the label procedure changes, so cached labels are made again
+LABEL_VERSION = 1
+
+
+def starts_with_prefix(answer: str, prefix: str) -> bool:
+    """The slow model's own answer begins with the committed words (then the relay changes nothing)."""
+    a, p = " ".join(answer.split()), " ".join(prefix.split())
+    return bool(p) and a.startswith(p) and (len(a) == len(p) or not (a[len(p)].isalnum() and p[-1].isalnum()))
+
+
+def relay_answer(slow: Any, ids: Sequence[int], prefix: str, max_tokens: int = LABEL_TOKENS) -> str:
+    """The relay's answer: `prefix` (the committed words, fed after the assistant header exactly as
+    the engine feeds them) and the slow model's greedy continuation, `max_tokens` in all.
+    `slow` is a `train_verifier.WarmModel`."""
+    from dialogue.drafter_data import slow_answer
+
+    pids = list(slow.tokenizer.encode(prefix, add_special_tokens=False))
+    cont, _ = slow_answer(slow, list(ids) + pids, max(0, max_tokens - len(pids)))
+    return (prefix + slow.tokenizer.decode(cont, skip_special_tokens=True)).strip()
+
+
+def judged(judge: Any, history: Sequence[Mapping[str, str]], text: str, slow_answer_text: str,
+           relay_text: str) -> dict[str, float]:
+    """The judge's per-token PMI (floored at 0) of both answers and the loss between them."""
+    s, r = judge.score([dict(m) for m in history], text, [slow_answer_text, relay_text])
+    q_s, q_r = max(0.0, s.pmi), max(0.0, r.pmi)
+    return {"judge_slow": q_s, "judge_relay": q_r, "loss": q_s - q_r}
+
+
+def judge_label(result: Mapping[str, Any], margin: float = MARGIN) -> int:
+    """1 iff committing the draft loses at most `margin` of the judge's per-token PMI."""
+    return int(float(result["loss"]) <= margin)
+
+
+def relay_loss(scores: Sequence[float], losses: Sequence[float], share: float, cap: float = 3.0) -> float:
+    """Mean loss per draft (judge PMI, each capped at `cap`; an empty prefix counts `cap`) when the
+    `share` of drafts with the highest `scores` is committed and the rest answered by the slow model
+    alone: the relay's quality loss that a verifier's ranking buys, on drafts with known losses."""
+    import math
+
+    if not losses:
+        return float("nan")
+    order = sorted(range(len(losses)), key=lambda i: -scores[i])[: int(share * len(losses))]
+    return sum(min(cap, losses[i]) if math.isfinite(losses[i]) else cap for i in order) / len(losses)
+
+
+def label_path(feature_file: Path) -> Path:
+    return feature_file.with_name(f"{feature_file.stem}.judge{LABEL_VERSION}.json")
+
+
+def judge_dataset(examples: Sequence[Mapping[str, Any]], feature_files: Sequence[Path],
+                  progress: bool = True) -> list[dict[str, Any]]:
+    """The judge's result for every example (`train_verifier.build_dataset`'s, with their feature
+    files): read from its cache file, or made (the slow model is loaded only if one is missing)."""
+    from tqdm import tqdm
+
+    from dialogue import drafter_data as DD
+    from dialogue import train_verifier as TV
+
+    paths = [label_path(f) for f in feature_files]
+    todo = [i for i, p in enumerate(paths) if not p.is_file()]
+    print(f"judge labels: {len(paths) - len(todo)} cached, {len(todo)} to make", file=sys.stderr)
+    if todo:
+        from dialogue import llm_weights
+        from dialogue.judge import LikelihoodJudge
+        from duplex.config import load_profile
+
+        targets = DD.read_targets()
+        llm = load_profile("cpu").component("llm")
+        system = str(llm.options.get("system_prompt", "")).strip()
+        model, tok = llm_weights.load(llm, TV.DTYPE, progress=progress)
+        slow = TV.WarmModel(model, tok, system, str(dict(llm.weights).get("name", "llm")))
+        judge = LikelihoodJudge(model, tok, system)
+        for i in tqdm(todo, desc="judging drafts", disable=not progress, smoothing=0.05):
+            if paths[i].is_file():  # made meanwhile by another run on the same cache
+                continue
+            ex = examples[i]
+            history = [{"role": r, "content": c} for r, c in ex["history"]]
+            prompt = TV.Prompt(ex["group"], ex["source"], tuple(tuple(h) for h in ex["history"]), ex["text"])
+            ids = TV.V.chat_ids(tok, system, history, ex["text"])
+            target = targets.get(DD.prompt_key(prompt))
+            if target is not None and target.get("n_tokens", LABEL_TOKENS) <= LABEL_TOKENS:
+                own = str(target["answer"]).strip()
+            else:
+                toks, _ = DD.slow_answer(slow, ids, LABEL_TOKENS)
+                own = tok.decode(toks, skip_special_tokens=True).strip()
+            prefix = str(ex["prefix"]).strip()
+            if not prefix:
+                res = {"slow": own, "relay": "", "same": False, "loss": float("inf")}
+            elif starts_with_prefix(own, prefix):
+                res = {"slow": own, "relay": own, "same": True, "loss": 0.0}
+            else:
+                relay = relay_answer(slow, ids, prefix)
+                res = {"slow": own, "relay": relay, "same": relay == own}
+                res |= judged(judge, history, ex["text"], own, relay)
+            tmp = paths[i].with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(res))
+            os.replace(tmp, paths[i])
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def rule(margin: float = MARGIN) -> str:
+    """The label rule, in words, for the verifier's metadata."""
+    return ("label 1 iff the prefix is non-empty, Latin script, no markup/code, and "
+            f"the relay's answer (the prefix, then the slow model's greedy continuation, {LABEL_TOKENS} tokens) "
+            f"loses at most {margin} of the likelihood judge's per-token PMI (floored at 0) against the slow "
+            "model's own answer; a prefix the slow model's own answer starts with loses nothing")
+
+
+def label_examples(examples: Sequence[dict[str, Any]], results: Sequence[Mapping[str, Any]],
+                   margin: float = MARGIN) -> list[int]:
+    """1 = committing the draft keeps the answer; sets ex['label'], ex['reason'] and ex['loss'] too.
+    Reasons: a forced negative of `train_verifier.forced_negative`, "own" (the slow model's answer
+    starts with the prefix), "kept" or "loses"."""
+    from dialogue.train_verifier import forced_negative
+
+    labels = []
+    for ex, res in zip(examples, results, strict=True):
+        why = forced_negative(ex)
+        if why == "echo":  # an echo is judged by what it leads to, like any other opening
+            why = None
+        ok = judge_label(res, margin)
+        ex["reason"] = why or ("own" if res.get("same") else ("kept" if ok else "loses"))
+        ex["label"] = int(why is None and bool(ok))
+        ex["loss"] = float(res["loss"])
+        labels.append(ex["label"])
+    return labels
