@@ -387,6 +387,17 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
 
     # -- relay ------------------------------------------------------------------------------
 
+    def relay_draft(self, history: list[dict[str, str]], text: str) -> RelayInfo:
+        """The relay's draft of an answer to `text` after `history`, with the verifier's score, as the
+        engine makes it when that turn ends; nothing is committed and the rolling threshold does not
+        see it (evaluation: scoring stored drafts with another verifier)."""
+        if self.drafter is None or self.verifier is None:
+            raise ValueError("relay_draft: this engine has no drafter and verifier")
+        state = self.init_state()
+        with torch.inference_mode(), _torch_threads(self.slow_options.threads):
+            self._listen(state, ListenStep(history, text, prefill_slow=False, preclose=True))
+            return self._draft(state, history + [{"role": "user", "content": text}], force=True)
+
     def _draft(self, state: DialogueState, msgs: list[dict[str, str]], force: bool | None = None) -> RelayInfo:
         from dialogue.verifier import draft_stop, draft_veto, prefix_text, token_stats
 

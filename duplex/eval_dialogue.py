@@ -18,7 +18,9 @@ training never saw (`dialogue/data/turn_eval.jsonl`, `dialogue/data/relay_eval.j
    relay at any verifier threshold is, prompt by prompt, one of the last two, so one pass gives every
    operating point (reported: the engine's, the verifier's named ones, and the sweep in the plot).
    The judges' floor and validity are measured too: each prompt graded with the answer to another
-   prompt (`--resummarise FILE --rejudge` grades a stored run's answers again).
+   prompt (`--resummarise FILE --rejudge` grades a stored run's answers again). The answers do
+   not depend on the verifier (greedy drafts and answers), so `--resummarise FILE --rescore` scores
+   the stored drafts with the current verifier and replays its operating points on the stored runs.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dialogue.relay_labels import MARGIN as RELAY_LABEL_MARGIN
 
 log = logging.getLogger("duplex.eval")
 
@@ -440,11 +444,25 @@ def slow_scored_relay(rows: list[dict[str, Any]], n_committed: int) -> dict[str,
                        if all(JUDGES[name] in r["slow"] for r in rows)}}
 
 
+#: a committed draft "keeps" the answer when it loses at most this much of the per-token likelihood
+#: judge's grade (the margin of the verifier's judge labels)
+KEEP_MARGIN = RELAY_LABEL_MARGIN
+
+
+def judge_labelled(rows: list[dict[str, Any]], margin: float = KEEP_MARGIN) -> list[tuple[float, int]]:
+    """(verifier score, 1 iff committing the draft lost at most `margin` of the per-token likelihood
+    judge's grade) for every row with a draft to commit and both grades."""
+    key = JUDGES["likelihood"]
+    return [(float(r["p"]), int(r["slow"][key] - r["commit"][key] <= margin)) for r in rows
+            if r["p"] is not None and r["commit"]["committed"] and key in r["slow"] and key in r["commit"]]
+
+
 def summarise_relay(rows: list[dict[str, Any]], threshold: Point,
                     points: dict[str, Point] | None = None) -> dict[str, Any]:
     """The relay at the engine's threshold, at the verifier's named operating points, and the sweep
     over every threshold that changes a decision (for the plot)."""
     labelled = [(r["p"], r["label"]) for r in rows if r["label"] is not None and r["p"] is not None]
+    judged = judge_labelled(rows)
     cuts = sorted({0.0, 1.01} | {float(r["p"]) for r in rows if r["p"] is not None})
     floor = [r["mismatched_quality"] for r in rows if r.get("mismatched_quality") is not None]
 
@@ -464,6 +482,9 @@ def summarise_relay(rows: list[dict[str, Any]], threshold: Point,
         # how well each judge tells slow-only's answer from the answer to another prompt, on these rows
         "judge_validity": judge_validity(rows),
         "verifier_auroc": auroc([p for p, _ in labelled], [y for _, y in labelled]),
+        # ... and against what committing each draft did to the answer, by the per-token judge
+        "verifier_auroc_judge": auroc([p for p, _ in judged], [y for _, y in judged]),
+        "n_judge_labelled": len(judged),
         "n_labelled": len(labelled),
         "operating_points": {name: with_decisions(t) for name, t in (points or {}).items()},
         "sweep": [at_threshold(rows, t) for t in cuts],
@@ -497,6 +518,9 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"relay vs slow-only (n={r['n']} prompts, same run; each prompt answered slow-only, with its "
                      f"draft committed and with it discarded):")
         lines.append(f"  verifier AUROC {r['verifier_auroc']:.3f} (n={r['n_labelled']} drafts labelled by the slow model)")
+        if r.get("n_judge_labelled"):
+            lines.append(f"  verifier AUROC {r['verifier_auroc_judge']:.3f} against what committing did to the answer "
+                         f"(n={r['n_judge_labelled']}; kept = loses at most {KEEP_MARGIN} of the per-token judge)")
         pts = [("engine", r)] + list(r.get("operating_points", {}).items())
         for name, m in pts:
             o = m["onset_ms"]
@@ -620,6 +644,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rejudge", action="store_true",
                     help="with --resummarise: grade the stored answers again with every judge of "
                          "dialogue/judge.py (loads the slow model only; ~8 min for 480 prompts)")
+    ap.add_argument("--rescore", action="store_true",
+                    help="with --resummarise: draft each stored prompt again and score it with the current "
+                         "verifier (the stored runs stay: greedy answers do not depend on it; ~3 min)")
     ap.add_argument("--no-progress", action="store_true")
 
 
@@ -628,11 +655,29 @@ def prompt_key(row: dict[str, Any]) -> str:
     return json.dumps([[[m["role"], m["content"]] for m in row.get("history") or []], row["text"]])
 
 
+def rescore_rows(stage: Any, rows: list[dict[str, Any]], progress: bool = True) -> int:
+    """Each stored row's verifier score, from the engine's draft of its prompt scored by the engine's
+    verifier now (`p` in place). Returns how many drafts differ from the stored ones: those rows keep
+    their stored runs, which then answer a different draft (a changed drafter needs a new run)."""
+    from tqdm.auto import tqdm
+
+    changed = 0
+    for r in tqdm(rows, desc="rescoring drafts", disable=not progress):
+        info = stage.relay_draft([dict(m) for m in r["history"]], r["text"])
+        changed += info.draft != r["commit"]["draft"]
+        p = float(info.p_accept) if info.prefix.strip() else r["p"]
+        r["p"] = p
+        for v in ("commit", "discard"):
+            r[v]["p"] = p
+    return changed
+
+
 def resummarise(path: Path, profile_name: str | None, rejudge: bool = False,
-                progress: bool = True) -> dict[str, Any]:
+                progress: bool = True, rescore: bool = False) -> dict[str, Any]:
     """A previous run's results with its relay rows re-judged: the veto recomputed for each stored
     draft (`verifier.draft_veto`) and the operating points of the profile's verifier; with `rejudge`,
-    every stored answer graded again by the judges (the slow model's rating where a row lacks it)."""
+    every stored answer graded again by the judges (the slow model's rating where a row lacks it); with
+    `rescore`, every stored draft scored by the profile's verifier (`rescore_rows`)."""
     from dialogue.engine import DrafterOptions, previous_answer, verifier_operating_point
     from dialogue.verifier import draft_veto, load_verifier
     from duplex.config import load_profile
@@ -663,6 +708,20 @@ def resummarise(path: Path, profile_name: str | None, rejudge: bool = False,
         need_rating = any("quality" not in r[v] for r in rows for v in VARIANTS)
         judge_rows(stage, rows, rating=need_rating, progress=progress)
         results["rejudged"] = time.strftime("%Y-%m-%d %H:%M")
+    if rescore:
+        from dialogue.engine import load_dialogue_stage
+
+        profile = load_profile(profile_name)
+        drafter = profile.components.get("drafter")
+        if drafter is None:
+            raise SystemExit(f"eval dialogue: profile {profile.name!r} has no drafter to rescore with")
+        stage = load_dialogue_stage(profile.component("llm"), drafter, progress=progress)
+        changed = rescore_rows(stage, rows, progress)
+        if changed:
+            log.warning("eval dialogue: %d of %d drafts differ from the stored ones (their stored runs are kept)",
+                        changed, len(rows))
+        results["rescored"] = {"date": time.strftime("%Y-%m-%d %H:%M"), "drafts_changed": changed,
+                               "verifier_labels": stage.verifier_meta.get("labels", "typical")}
     drafter = load_profile(profile_name).components.get("drafter")
     opts = DrafterOptions.from_mapping(drafter.options if drafter is not None else {})
     _, _, meta = load_verifier(None if opts.verifier == "shipped" else Path(opts.verifier).expanduser())
@@ -677,10 +736,10 @@ def run(args: argparse.Namespace) -> int:
 
     progress = not args.no_progress
     if args.resummarise:
-        return write_results(resummarise(Path(args.resummarise), args.profile, args.rejudge, progress),
-                             Path(args.out))
-    if args.rejudge:
-        raise SystemExit("eval dialogue: --rejudge grades the runs stored in a --resummarise file")
+        return write_results(resummarise(Path(args.resummarise), args.profile, args.rejudge, progress,
+                                         args.rescore), Path(args.out))
+    if args.rejudge or args.rescore:
+        raise SystemExit("eval dialogue: --rejudge and --rescore work on the runs stored in a --resummarise file")
 
     from asr.moonshine import load_asr_stage
     from dialogue.engine import load_dialogue_stage
