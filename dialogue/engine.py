@@ -436,7 +436,8 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             p = float(self.verifier(hs, st, mask)[0])
             if rolling is not None and force is None:
                 rolling.observe(p)
-        veto = draft_veto(prefix, previous_answer(msgs), last_user_text(msgs)) if prefix.strip() else None
+        veto = draft_veto(prefix, previous_answer(msgs), last_user_text(msgs),
+                          previous_request=previous_request(msgs)) if prefix.strip() else None
         committed = bool(prefix.strip()) and (p >= thr and veto is None if force is None else force)
         return RelayInfo(draft, prefix if committed else "", p, committed, time.perf_counter() - t0, ended, thr,
                          veto)
@@ -510,6 +511,17 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
 def previous_answer(messages: list[dict[str, str]]) -> str | None:
     """The last assistant message (what the caller heard of it), if any."""
     return next((m["content"] for m in reversed(messages) if m.get("role") == "assistant"), None)
+
+
+def previous_request(messages: list[dict[str, str]]) -> str | None:
+    """The caller's turn before the last assistant message (what that answer answered), if any."""
+    seen_answer = False
+    for m in reversed(messages):
+        if m.get("role") == "assistant":
+            seen_answer = True
+        elif m.get("role") == "user" and seen_answer:
+            return m["content"]
+    return None
 
 
 def last_user_text(messages: list[dict[str, str]]) -> str | None:

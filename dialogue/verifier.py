@@ -523,22 +523,27 @@ def opens_with_interrupt_cue(user_text: str) -> bool:
     return any(uw[: len(c.split())] == c.split() for c in INTERRUPT_CUES)
 
 
-def carries_interrupted_topic(prefix: str, user_text: str | None, previous: str | None) -> bool:
+def carries_interrupted_topic(prefix: str, user_text: str | None, previous: str | None,
+                              previous_request: str | None = None) -> bool:
     """After a barge-in cue, the draft goes on about the answer the caller cut off: it shares a content
-    word with that answer and none with the caller's new words ("The car engine works" after "Stop.
-    How many days are in a year?" cut off "A car engine is ..."; the slow model, continuing it, said
-    "The car engine works 365 days."). A follow-up on the same topic names it ("Wait, why does the
-    engine need oil?") and is left to the scores; a wrong veto only loses the draft's head start."""
-    if not user_text or not previous or not opens_with_interrupt_cue(user_text):
+    word with that answer (or with the request it answered) and none with the caller's new words ("The
+    car engine works" after "Stop. How many days are in a year?" cut off "A car engine is ..."; the slow
+    model, continuing it, said "The car engine works 365 days."; "The story about a" after "Tell me a
+    long story about a brave little mouse" and "Stop. What is two plus two?"). A follow-up on the same
+    topic names it ("Wait, why does the engine need oil?") and is left to the scores; a wrong veto only
+    loses the draft's head start."""
+    if not user_text or not (previous or previous_request) or not opens_with_interrupt_cue(user_text):
         return False
     draft = _content(prefix)
-    return bool(draft & _content(previous)) and not draft & _content(user_text)
+    topic = _content(previous or "") | _content(previous_request or "")
+    return bool(draft & topic) and not draft & _content(user_text)
 
 
-def draft_veto(prefix: str, previous_answer: str | None = None, user_text: str | None = None) -> str | None:
+def draft_veto(prefix: str, previous_answer: str | None = None, user_text: str | None = None,
+               previous_request: str | None = None) -> str | None:
     """Why the engine must not commit this draft whatever the verifier says (None if nothing):
     another script, markup, a repeat of the previous answer's opening, or, after a barge-in cue, the
-    cut-off answer's topic instead of the caller's new one. (An echo of the question, a negative label
+    topic of the previous exchange (`previous_request`, `previous_answer`) instead of the caller's new one. (An echo of the question, a negative label
     in training, is not vetoed: "Good evening!" to "good evening" and "Saudi Arabia imports ..." are the
     slow model's own openings too.)"""
     if is_foreign(prefix):
@@ -547,7 +552,7 @@ def draft_veto(prefix: str, previous_answer: str | None = None, user_text: str |
         return "markup"
     if repeats_previous_answer(prefix, previous_answer):
         return "repeat"
-    if carries_interrupted_topic(prefix, user_text, previous_answer):
+    if carries_interrupted_topic(prefix, user_text, previous_answer, previous_request):
         return "topic"
     return None
 

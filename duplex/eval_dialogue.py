@@ -678,7 +678,7 @@ def resummarise(path: Path, profile_name: str | None, rejudge: bool = False,
     draft (`verifier.draft_veto`) and the operating points of the profile's verifier; with `rejudge`,
     every stored answer graded again by the judges (the slow model's rating where a row lacks it); with
     `rescore`, every stored draft scored by the profile's verifier (`rescore_rows`)."""
-    from dialogue.engine import DrafterOptions, previous_answer, verifier_operating_point
+    from dialogue.engine import DrafterOptions, previous_answer, previous_request, verifier_operating_point
     from dialogue.verifier import draft_veto, load_verifier
     from duplex.config import load_profile
 
@@ -698,7 +698,8 @@ def resummarise(path: Path, profile_name: str | None, rejudge: bool = False,
     for r in rows:
         c = r["commit"]
         msgs = r["history"] + [{"role": "user", "content": r["text"]}]
-        c["veto"] = draft_veto(c["prefix"], previous_answer(msgs), r["text"]) if c["prefix"].strip() else None
+        c["veto"] = draft_veto(c["prefix"], previous_answer(msgs), r["text"],
+                               previous_request=previous_request(msgs)) if c["prefix"].strip() else None
     if rejudge:
         from dialogue.engine import load_dialogue_stage
 

@@ -220,8 +220,8 @@ def test_a_vetoed_draft_is_not_committed_whatever_its_score(tokenizer, monkeypat
 
     seen = []
 
-    def veto(prefix, previous=None, user_text=None):
-        seen.append((prefix, previous, user_text))
+    def veto(prefix, previous=None, user_text=None, previous_request=None):
+        seen.append((prefix, previous, user_text, previous_request))
         return "repeat"
 
     monkeypatch.setattr(V, "draft_veto", veto)
@@ -233,7 +233,7 @@ def test_a_vetoed_draft_is_not_committed_whatever_its_score(tokenizer, monkeypat
     out, state = stage.step(stage.init_state(), RespondStep(history, 4))
     assert out.relay.veto == "repeat" and not out.relay.committed and out.relay.p_accept == pytest.approx(0.99)
     # judged on the draft, the answer the caller cut off and what they said then
-    assert seen == [(prefix_text_of(out.relay), "The dragon is a", "stop what is two plus two")]
+    assert seen == [(prefix_text_of(out.relay), "The dragon is a", "stop what is two plus two", "tell me a story")]
     # the evaluation's forced commit still commits it (the veto is the engine's decision)
     out, _ = stage.step(stage.init_state(), RespondStep(history, 4, commit=True))
     assert out.relay.committed

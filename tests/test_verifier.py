@@ -234,6 +234,11 @@ def test_after_a_barge_in_cue_a_draft_about_the_cut_off_answer_is_vetoed():
     assert draft_veto("The car engine needs", cut, "Why is that?") is None
     # without the user's turn (the verifier's training labels) nothing changes
     assert draft_veto("The car engine works", cut) is None
+    # the live bench's other one: the topic was in the request, not in the words of the answer
+    mouse = "Tell me a long story about a brave little mouse."
+    assert draft_veto("The story about a", "Once upon a time, in a cozy hole, lived Pip.",
+                      "Stop. What is two plus two?", previous_request=mouse) == "topic"
+    assert draft_veto("Two plus two is", "Once upon a time", "Stop. What is two plus two?", previous_request=mouse) is None
     assert opens_with_interrupt_cue("Hold on, what color is grass?") and opens_with_interrupt_cue("wait")
     assert not opens_with_interrupt_cue("Waiters are busy") and not opens_with_interrupt_cue("What is it?")
 
