@@ -32,6 +32,7 @@ judged by the answer it leads to, like any other opening.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -80,8 +81,6 @@ def relay_loss(scores: Sequence[float], losses: Sequence[float], share: float, c
     """Mean loss per draft (judge PMI, each capped at `cap`; an empty prefix counts `cap`) when the
     `share` of drafts with the highest `scores` is committed and the rest answered by the slow model
     alone: the relay's quality loss that a verifier's ranking buys, on drafts with known losses."""
-    import math
-
     if not losses:
         return float("nan")
     order = sorted(range(len(losses)), key=lambda i: -scores[i])[: int(share * len(losses))]
@@ -160,9 +159,7 @@ def label_examples(examples: Sequence[dict[str, Any]], results: Sequence[Mapping
 
     labels = []
     for ex, res in zip(examples, results, strict=True):
-        why = forced_negative(ex)
-        if why == "echo":  # an echo is judged by what it leads to, like any other opening
-            why = None
+        why = forced_negative(ex, echo=False)  # an echo is judged by what it leads to, like any opening
         ok = judge_label(res, margin)
         ex["reason"] = why or ("own" if res.get("same") else ("kept" if ok else "loses"))
         ex["label"] = int(why is None and bool(ok))

@@ -601,8 +601,9 @@ def build_dataset(prompts: Sequence[Prompt], progress: bool = True, adapter: Pat
 # -- labels --------------------------------------------------------------------------------------------
 
 
-def forced_negative(ex: Mapping[str, Any]) -> str | None:
-    """Why a draft is unacceptable whatever its scores (None if it is not)."""
+def forced_negative(ex: Mapping[str, Any], echo: bool = True) -> str | None:
+    """Why a draft is unacceptable whatever its scores (None if it is not); `echo`: an echo of the
+    question is one (typical-acceptance labels; judge labels judge it by the answer it leads to)."""
     prefix = str(ex["prefix"])
     if not prefix:
         return "empty"
@@ -610,7 +611,7 @@ def forced_negative(ex: Mapping[str, Any]) -> str | None:
         return "foreign"
     if V.is_markup(prefix):
         return "markup"
-    if V.repeats_question(prefix, str(ex["text"])):
+    if echo and V.repeats_question(prefix, str(ex["text"])):
         return "echo"
     return None
 
@@ -710,18 +711,15 @@ def collate(examples: Sequence[Mapping[str, Any]], max_len: int = V.MAX_DRAFT_TO
     return hidden, stats, mask
 
 
-def focal_loss(logits: torch.Tensor, target: torch.Tensor, alpha: float = 0.5, gamma: float = 2.0,
-               weight: torch.Tensor | None = None) -> torch.Tensor:
+def focal_loss(logits: torch.Tensor, target: torch.Tensor, alpha: float = 0.5, gamma: float = 2.0) -> torch.Tensor:
     """Mean binary focal loss: easy examples (p_t near 1) count less, so the hard boundary cases
-    (fluent-but-wrong drafts) shape the verifier. alpha weighs the positives, 1-alpha the negatives;
-    `weight`, if given, each example (how much a wrong decision on it costs)."""
+    (fluent-but-wrong drafts) shape the verifier. alpha weighs the positives, 1-alpha the negatives."""
     target = target.float()
     ce = torch.nn.functional.binary_cross_entropy_with_logits(logits, target, reduction="none")
     p = torch.sigmoid(logits)
     p_t = p * target + (1 - p) * (1 - target)
     a_t = alpha * target + (1 - alpha) * (1 - target)
-    loss = a_t * (1 - p_t) ** gamma * ce
-    return (loss * weight if weight is not None else loss).mean()
+    return (a_t * (1 - p_t) ** gamma * ce).mean()
 
 
 def auroc(scores: Sequence[float] | torch.Tensor, labels: Sequence[int] | torch.Tensor) -> float:
@@ -838,10 +836,8 @@ def train_verifier(
     y_val: torch.Tensor,
     cfg: TrainConfig | None = None,
     progress: bool = False,
-    weight: torch.Tensor | None = None,
 ) -> tuple[V.Verifier, dict[str, Any]]:
-    """Focal loss + AdamW, keep the epoch with the best val AUROC (early stop after `patience`);
-    `weight`: per training example (see `focal_loss`)."""
+    """Focal loss + AdamW, keep the epoch with the best val AUROC (early stop after `patience`)."""
     from tqdm import tqdm
 
     cfg = cfg or TrainConfig()
@@ -863,8 +859,7 @@ def train_verifier(
         total = 0.0
         for i in range(0, n, cfg.batch):
             idx = perm[i : i + cfg.batch]
-            loss = focal_loss(model.logits(*(t[idx] for t in train)), y_train[idx], alpha, cfg.gamma,
-                              None if weight is None else weight[idx])
+            loss = focal_loss(model.logits(*(t[idx] for t in train)), y_train[idx], alpha, cfg.gamma)
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -39,7 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from dialogue.relay_labels import MARGIN as RELAY_LABEL_MARGIN
+# a committed draft "keeps" the answer when it loses at most this much of the per-token likelihood
+# judge's grade: the margin of the verifier's judge labels
+from dialogue.relay_labels import MARGIN as KEEP_MARGIN
 
 log = logging.getLogger("duplex.eval")
 
@@ -444,9 +446,6 @@ def slow_scored_relay(rows: list[dict[str, Any]], n_committed: int) -> dict[str,
                        if all(JUDGES[name] in r["slow"] for r in rows)}}
 
 
-#: a committed draft "keeps" the answer when it loses at most this much of the per-token likelihood
-#: judge's grade (the margin of the verifier's judge labels)
-KEEP_MARGIN = RELAY_LABEL_MARGIN
 
 
 def judge_labelled(rows: list[dict[str, Any]], margin: float = KEEP_MARGIN) -> list[tuple[float, int]]:
