@@ -261,23 +261,30 @@ def slow_answer(slow: Any, ids: Sequence[int], max_tokens: int = TARGET_TOKENS) 
     return out, ended
 
 
+def load_slow_model(progress: bool = True) -> tuple[Any, str]:
+    """The `cpu` profile's slow model as the service runs it (int8), warm with the service's system
+    prompt (`train_verifier.WarmModel`), and that system prompt."""
+    from dialogue import llm_weights
+    from duplex.config import load_profile
+
+    llm = load_profile("cpu").component("llm")
+    system = str(llm.options.get("system_prompt", "")).strip()
+    model, tok = llm_weights.load(llm, TV.DTYPE, progress=progress)
+    return TV.WarmModel(model, tok, system, str(dict(llm.weights).get("name", "llm"))), system
+
+
 def generate_targets(prompts: Sequence[DraftPrompt], path: Path = TARGETS_FILE, progress: bool = True,
                      limit_s: float | None = None) -> int:
     """Make the missing targets (appending to `path`); returns how many were made."""
     from tqdm import tqdm
-
-    from dialogue import llm_weights
-    from duplex.config import load_profile
 
     have = read_targets(path)
     todo = [dp for dp in prompts if dp.key not in have]
     print(f"drafter targets: {len(have)} made, {len(todo)} to make -> {path}", file=sys.stderr)
     if not todo:
         return 0
-    llm = load_profile("cpu").component("llm")
-    system = str(llm.options.get("system_prompt", "")).strip()
-    model, tok = llm_weights.load(llm, TV.DTYPE, progress=progress)
-    slow = TV.WarmModel(model, tok, system, str(dict(llm.weights).get("name", "llm")))
+    slow, system = load_slow_model(progress)
+    tok = slow.tokenizer
     t0 = time.time()
     made = 0
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ likely enough? That label is blind to what the relay is judged on. "I'm sorry, b
 opening for the slow model after almost anything, so a refusal draft passes it, and then the slow
 model, continuing from those words, refuses a question it would have answered. On the relay
 benchmark the typical-acceptance verifier ranks the drafts by the answer quality they lose at an
-AUROC of only ~0.57.
+AUROC of only 0.56.
 
 This module labels each draft by its consequence instead, with the likelihood judge of
 `dialogue.judge` (the slow model's per-token log-probability of an answer after the caller's words,
@@ -21,7 +21,7 @@ against after a neutral "Hello."):
 
 A prefix the slow model's own answer starts with costs nothing (its greedy continuation *is* that
 answer), so about half the drafts need neither the continuation nor the judge. The result per draft
-is cached next to its features (`<key>.judge.json`), so a rerun resumes.
+is cached next to its features (`<key>.judge<LABEL_VERSION>.json`), so a rerun resumes.
 
 `judge_label` turns a loss into the verifier's target: acceptable iff it loses at most `MARGIN`.
 The rules of `train_verifier.forced_negative` that the engine's veto also holds (empty, another
@@ -64,10 +64,10 @@ def relay_answer(slow: Any, ids: Sequence[int], prefix: str, max_tokens: int = L
     return (prefix + slow.tokenizer.decode(cont, skip_special_tokens=True)).strip()
 
 
-def judged(judge: Any, history: Sequence[Mapping[str, str]], text: str, slow_answer_text: str,
+def judged(judge: Any, history: Sequence[dict[str, str]], text: str, slow_answer_text: str,
            relay_text: str) -> dict[str, float]:
     """The judge's per-token PMI (floored at 0) of both answers and the loss between them."""
-    s, r = judge.score([dict(m) for m in history], text, [slow_answer_text, relay_text])
+    s, r = judge.score(history, text, [slow_answer_text, relay_text])
     q_s, q_r = max(0.0, s.pmi), max(0.0, r.pmi)
     return {"judge_slow": q_s, "judge_relay": q_r, "loss": q_s - q_r}
 
@@ -104,22 +104,18 @@ def judge_dataset(examples: Sequence[Mapping[str, Any]], feature_files: Sequence
     todo = [i for i, p in enumerate(paths) if not p.is_file()]
     print(f"judge labels: {len(paths) - len(todo)} cached, {len(todo)} to make", file=sys.stderr)
     if todo:
-        from dialogue import llm_weights
         from dialogue.judge import LikelihoodJudge
-        from duplex.config import load_profile
 
         targets = DD.read_targets()
-        llm = load_profile("cpu").component("llm")
-        system = str(llm.options.get("system_prompt", "")).strip()
-        model, tok = llm_weights.load(llm, TV.DTYPE, progress=progress)
-        slow = TV.WarmModel(model, tok, system, str(dict(llm.weights).get("name", "llm")))
-        judge = LikelihoodJudge(model, tok, system)
+        slow, system = DD.load_slow_model(progress)
+        tok = slow.tokenizer
+        judge = LikelihoodJudge(slow.model, tok, system)
         for i in tqdm(todo, desc="judging drafts", disable=not progress, smoothing=0.05):
             if paths[i].is_file():  # made meanwhile by another run on the same cache
                 continue
             ex = examples[i]
-            history = [{"role": r, "content": c} for r, c in ex["history"]]
             prompt = TV.Prompt(ex["group"], ex["source"], tuple(tuple(h) for h in ex["history"]), ex["text"])
+            history = prompt.messages()
             ids = TV.V.chat_ids(tok, system, history, ex["text"])
             target = targets.get(DD.prompt_key(prompt))
             if target is not None and target.get("n_tokens", LABEL_TOKENS) <= LABEL_TOKENS:
