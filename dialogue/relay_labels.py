@@ -21,7 +21,10 @@ against after a neutral "Hello."):
 
 A prefix the slow model's own answer starts with costs nothing (its greedy continuation *is* that
 answer), so about half the drafts need neither the continuation nor the judge. The result per draft
-is cached next to its features (`<key>.judge<LABEL_VERSION>.json`), so a rerun resumes.
+is cached next to its features (`<key>.judge<LABEL_VERSION>.json`), so a rerun resumes, and
+`python -m dialogue.train_verifier` writes every draft's result to `dialogue/data/relay_labels.jsonl`
+(`SHIPPED`), which is read before the cache: the shipped verifier's labels are in the repository, and
+its recipe reruns from a fresh clone without the ~30 min of judging.
 
 `judge_label` turns a loss into the verifier's target: acceptable iff it loses at most `MARGIN`.
 The rules of `train_verifier.forced_negative` that the engine's veto also holds (empty, another
@@ -45,6 +48,10 @@ LABEL_TOKENS = 32
 MARGIN = 0.3
 #: bump when the label procedure changes, so cached labels are made again
 LABEL_VERSION = 1
+#: the judge's result for each draft the shipped verifier was trained, tuned and tested on
+SHIPPED = Path(__file__).resolve().parent / "data" / "relay_labels.jsonl"
+#: what a result holds (the judge's two scores only where it had to judge: see `judge_dataset`)
+RESULT_KEYS = ("slow", "relay", "same", "loss", "judge_slow", "judge_relay")
 
 
 def starts_with_prefix(answer: str, prefix: str) -> bool:
@@ -92,17 +99,27 @@ def label_path(feature_file: Path) -> Path:
 
 
 def judge_dataset(examples: Sequence[Mapping[str, Any]], feature_files: Sequence[Path],
-                  progress: bool = True) -> list[dict[str, Any]]:
+                  progress: bool = True, shipped: Path | None = SHIPPED) -> list[dict[str, Any]]:
     """The judge's result for every example (`train_verifier.build_dataset`'s, with their feature
-    files): read from its cache file, or made (the slow model is loaded only if one is missing)."""
+    files): read from the `shipped` labels, else from its cache file, else made (the slow model is
+    loaded only if one is missing)."""
     from tqdm import tqdm
 
     from dialogue import drafter_data as DD
     from dialogue import train_verifier as TV
 
     paths = [label_path(f) for f in feature_files]
-    todo = [i for i, p in enumerate(paths) if not p.is_file()]
-    print(f"judge labels: {len(paths) - len(todo)} cached, {len(todo)} to make", file=sys.stderr)
+    shipped_rows = read_shipped(shipped)
+    results: list[dict[str, Any] | None] = []
+    for ex, f in zip(examples, feature_files, strict=True):
+        row = shipped_rows.get(Path(f).stem)
+        # the key holds everything the draft depends on; the prefix is checked all the same
+        ok = row is not None and row["prefix"] == str(ex["prefix"]).strip()
+        results.append({k: row[k] for k in RESULT_KEYS if k in row} if ok else None)
+    todo = [i for i, p in enumerate(paths) if results[i] is None and not p.is_file()]
+    n_shipped = sum(r is not None for r in results)
+    print(f"judge labels: {n_shipped} shipped ({shipped}), {len(paths) - n_shipped - len(todo)} cached, "
+          f"{len(todo)} to make", file=sys.stderr)
     if todo:
         from dialogue.judge import LikelihoodJudge
 
@@ -135,7 +152,36 @@ def judge_dataset(examples: Sequence[Mapping[str, Any]], feature_files: Sequence
             tmp = paths[i].with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(res))
             os.replace(tmp, paths[i])
-    return [json.loads(p.read_text()) for p in paths]
+    return [r if r is not None else json.loads(p.read_text()) for r, p in zip(results, paths, strict=True)]
+
+
+def read_shipped(path: Path | None = SHIPPED) -> dict[str, dict[str, Any]]:
+    """Shipped judge results by feature key (rows of another `LABEL_VERSION` are left out)."""
+    rows: dict[str, dict[str, Any]] = {}
+    if path is None or not Path(path).is_file():
+        return rows
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        if row.get("version") == LABEL_VERSION:
+            row["loss"] = math.inf if row["loss"] is None else float(row["loss"])  # null: no prefix to judge
+            rows[row["key"]] = row
+    return rows
+
+
+def write_shipped(examples: Sequence[Mapping[str, Any]], results: Sequence[Mapping[str, Any]],
+                  path: Path = SHIPPED) -> None:
+    """One line per draft: its feature key, the caller's words, the committed prefix and the judge's
+    result (`RESULT_KEYS`; an infinite loss, for no prefix, as null), in the examples' order."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    with tmp.open("w") as f:
+        for ex, res in zip(examples, results, strict=True):
+            row = {"key": Path(ex["feature_file"]).stem, "version": LABEL_VERSION, "text": ex["text"],
+                   "prefix": str(ex["prefix"]).strip()}
+            row |= {k: res[k] for k in RESULT_KEYS if k in res}
+            row["loss"] = float(row["loss"]) if math.isfinite(float(row["loss"])) else None
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
 
 
 def rule(margin: float = MARGIN) -> str:

@@ -17,7 +17,8 @@
    draft does not cost the answer, by the likelihood judge the relay is evaluated with: the prefix
    plus the slow model's greedy continuation against the slow model's own answer (losing at most
    `relay_labels.MARGIN` nats per token), and the prefix is not empty, another script or markup.
-   Each draft's judgement is cached next to its features (~30 min for all, resumable).
+   Each draft's judgement is cached next to its features (~30 min for all, resumable) and written to
+   dialogue/data/relay_labels.jsonl, which later runs read first (the shipped verifier's labels).
    `--labels typical` (the first verifier's; `label_examples`, `judge_prefix`): acceptable iff the
    prefix is not empty, not another script, not markup/code and not an echo of the question, and
    either the slow model's own greedy opening or every token passes typical acceptance under the
@@ -908,6 +909,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--labels", choices=("judge", "typical"), default="judge",
                     help="judge: does committing the draft lose answer quality by the likelihood judge "
                          "(dialogue/relay_labels.py); typical: typical acceptance of the draft's words")
+    ap.add_argument("--labels-out", type=Path, default=None,
+                    help="judge labels: where every draft's judge result is written (default: the shipped "
+                         "dialogue/data/relay_labels.jsonl, read before the cache; not written with --limit)")
     ap.add_argument("--margin", type=float, default=None,
                     help="judge labels: the per-token PMI a committed draft may lose and stay acceptable")
     ap.add_argument("--restarts", type=int, default=3,
@@ -945,6 +949,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         margin = RL.MARGIN if args.margin is None else args.margin
         results = RL.judge_dataset(examples, [Path(ex["feature_file"]) for ex in examples], progress)
         labels = RL.label_examples(examples, results, margin)
+        labels_out = args.labels_out or (None if args.limit else RL.SHIPPED)
+        if labels_out is not None:
+            RL.write_shipped(examples, results, labels_out)
         label_rule = RL.rule(margin)
     reasons: dict[str, int] = {}
     for ex in examples:

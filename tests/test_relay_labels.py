@@ -79,6 +79,50 @@ def test_cached_judge_results_are_read_without_loading_a_model(tmp_path, monkeyp
     assert [r["loss"] for r in out] == [0.0, 0.5]
 
 
+def test_shipped_judge_results_come_first_and_only_for_the_same_draft(tmp_path, monkeypatch):
+    files = [tmp_path / f"k{i}.pt" for i in range(3)]
+    examples = [_ex("Paris is"), _ex("I'm sorry,"), _ex("")]
+    results = [{"slow": "Paris is the capital.", "relay": "Paris is the capital.", "same": True, "loss": 0.0},
+               {"slow": "Paris.", "relay": "I'm sorry, I can't.", "same": False, "loss": 2.5,
+                "judge_slow": 3.0, "judge_relay": 0.5},
+               {"slow": "Paris.", "relay": "", "same": False, "loss": float("inf")}]
+    shipped = tmp_path / "labels.jsonl"
+    RL.write_shipped([e | {"feature_file": str(f)} for e, f in zip(examples, files, strict=True)], results, shipped)
+    rows = [json.loads(line) for line in shipped.read_text().splitlines()]  # strict JSON: no Infinity
+    assert [r["key"] for r in rows] == ["k0", "k1", "k2"] and rows[2]["loss"] is None
+    assert rows[1]["prefix"] == "I'm sorry," and rows[1]["text"] == "what is the capital of france"
+
+    from dialogue import llm_weights
+
+    monkeypatch.setattr(llm_weights, "load", lambda *a, **k: pytest.fail("a shipped label loaded the slow model"))
+    assert RL.judge_dataset(examples, files, progress=False, shipped=shipped) == results
+    assert not any(RL.label_path(f).exists() for f in files)  # nothing made, nothing cached
+    # a draft that changed since (another prefix for the same key) is not labelled by the shipped row
+    RL.label_path(files[0]).write_text(json.dumps({"slow": "a", "relay": "b", "same": False, "loss": 1.0}))
+    out = RL.judge_dataset([_ex("Paris was")] + examples[1:], files, progress=False, shipped=shipped)
+    assert out[0]["loss"] == 1.0 and out[1:] == results[1:]
+    # nor does a row made by another label procedure
+    shipped.write_text(shipped.read_text().replace('"version": 1', '"version": 0'))
+    assert RL.read_shipped(shipped) == {}
+
+
+def test_the_shipped_labels_are_the_shipped_verifiers():
+    """dialogue/data/relay_labels.jsonl holds a judge result for every draft the shipped verifier was
+    trained, tuned and tested on, and labelled by today's rule they give its metadata's label counts."""
+    from dialogue.verifier import DEFAULT_WEIGHTS
+
+    meta = json.loads(DEFAULT_WEIGHTS.with_suffix(".json").read_text())
+    rows = list(RL.read_shipped().values())
+    assert meta["labels"] == "judge" and meta["judge_labels"]["version"] == RL.LABEL_VERSION
+    assert len(rows) == meta["data"]["prompts"]
+    labels = RL.label_examples(rows, rows, meta["judge_labels"]["margin"])
+    reasons: dict[str, int] = {}
+    for r in rows:
+        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    assert reasons == meta["data"]["reasons"]
+    assert sum(labels) / len(labels) == pytest.approx(meta["data"]["positive_rate"])
+
+
 @dataclass
 class _Info:
     draft: str
