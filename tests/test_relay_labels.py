@@ -6,6 +6,7 @@ label follows the loss and the engine's hard rules, and cached results are read 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
@@ -116,10 +117,7 @@ def test_the_shipped_labels_are_the_shipped_verifiers():
     assert meta["labels"] == "judge" and meta["judge_labels"]["version"] == RL.LABEL_VERSION
     assert len(rows) == meta["data"]["prompts"]
     labels = RL.label_examples(rows, rows, meta["judge_labels"]["margin"])
-    reasons: dict[str, int] = {}
-    for r in rows:
-        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
-    assert reasons == meta["data"]["reasons"]
+    assert Counter(r["reason"] for r in rows) == meta["data"]["reasons"]
     assert sum(labels) / len(labels) == pytest.approx(meta["data"]["positive_rate"])
 
 
