@@ -76,7 +76,7 @@ bench-asr: setup
 train-asr: setup
 	@test -d /usr/share/wordnet || { if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq wordnet-base fortunes >/dev/null; \
 	  else echo "train-asr: sudo apt install wordnet-base fortunes"; exit 1; fi; }
-	$(PY) -m asr.train_streaming --run runs/asr --minutes $${MINUTES:-60}
+	$(PY) -m asr.training.train_streaming --run runs/asr --minutes $${MINUTES:-60}
 
 lint: setup
 	$(VENV)/bin/ruff check .

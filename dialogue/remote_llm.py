@@ -48,8 +48,8 @@ from types import MappingProxyType, TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
-from duplex.config import ConfigError
-from duplex.errors import ModelError
+from duplex.base.config import ConfigError
+from duplex.base.errors import ModelError
 
 PREFIX_MODES = ("continue_final_message", "assistant_prefill", "instruct")
 #: request keys the client sets itself; `extra_body` may not override them (it would break the

@@ -12,7 +12,7 @@ then already says a lot about whether the thought is complete, so two small head
   a backchannel ("uh-huh", "right") lets the answer go on, an interruption ("stop", "wait, what
   about Tuesday?") cuts it.
 
-The heads are trained by `python -m dialogue.train_turn` on exactly the input `render_user_prefix`
+The heads are trained by `python -m dialogue.training.train_turn` on exactly the input `render_user_prefix`
 builds; this module is what the engine imports, so it holds the input format, the heads and the
 loader, and nothing of the training (no chatterbot, no data pipeline).
 """
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from duplex.errors import ModelError
+from duplex.base.errors import ModelError
 
 __all__ = [
     "BACKCHANNEL",
@@ -147,7 +147,7 @@ class TurnHeads(nn.Module):
 class TurnPolicy:
     """Decision thresholds, tuned on validation data at training time and shipped in the metadata.
 
-    The session core applies the same rule (duplex/session.py). With a `take_threshold` (heads trained
+    The session core applies the same rule (duplex/core/session.py). With a `take_threshold` (heads trained
     since 2026-11-25 evening): the turn is taken if 1 - P(listen) >= take_threshold, as SPEAK if
     P(speak) >= P(backchannel), else as BACKCHANNEL ("mm-hmm", then answer if they do not go on); else
     LISTEN. Without one (older heads): SPEAK if P(speak) >= speak_threshold, else BACKCHANNEL if
@@ -191,7 +191,7 @@ def load_turn_heads(
 
     weights = Path(path) if path is not None else DEFAULT_WEIGHTS
     meta_path = weights.with_suffix(".json")
-    hint = "train them with `python -m dialogue.train_turn` (writes both files)"
+    hint = "train them with `python -m dialogue.training.train_turn` (writes both files)"
     missing = [str(p) for p in (weights, meta_path) if not p.is_file()]
     if missing:
         raise ModelError(f"turn-taking heads: missing {', '.join(missing)}; {hint}")

@@ -10,7 +10,7 @@ P(prefix is acceptable). At or above the shipped threshold the prefix is committ
 slow model continues from it; below it the slow model answers alone.
 
 This module is what the engine imports, so the drafting procedure lives here as a pure function
-(`draft`): training (dialogue/train_verifier.py) and the engine then draft, stop and cut exactly
+(`draft`): training (dialogue/training/train_verifier.py) and the engine then draft, stop and cut exactly
 alike, and the verifier never sees features from a procedure it was not trained on.
 """
 
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from dialogue.llm import stop_token_ids
-from duplex.errors import ModelError
+from duplex.base.errors import ModelError
 
 __all__ = [
     "MAX_DRAFT_TOKENS",
@@ -362,7 +362,7 @@ def load_verifier(
 
     weights = Path(path) if path is not None else DEFAULT_WEIGHTS
     meta_path = weights.with_suffix(".json")
-    hint = "train it with `python -m dialogue.train_verifier` (writes both files)"
+    hint = "train it with `python -m dialogue.training.train_verifier` (writes both files)"
     if not weights.is_file() or not meta_path.is_file():
         missing = [str(p) for p in (weights, meta_path) if not p.is_file()]
         raise ModelError(f"relay verifier: missing {', '.join(missing)}; {hint}")
@@ -495,7 +495,7 @@ def repeats_previous_answer(prefix: str, previous: str | None) -> bool:
 
 
 #: how callers open a barge-in turn ("Stop, how many days are in a year?"): after one, the caller
-#: has left the topic of the answer they cut off (also the cues of dialogue/multi_turn.py's data)
+#: has left the topic of the answer they cut off (also the cues of dialogue/training/multi_turn.py's data)
 INTERRUPT_CUES = ("stop", "wait", "hold on", "sorry", "no no", "okay stop", "actually", "hang on",
                   "excuse me", "sorry to interrupt", "stop stop", "wait a second")
 _FUNCTION_WORDS = frozenset(

@@ -12,10 +12,10 @@ def _serve(args: argparse.Namespace) -> int:
     import os
     import uuid
 
-    from duplex.config import ConfigError
-    from duplex.gateway import GatewaySettings, parse_host_port, run_gateway
-    from duplex.server import ServerSettings
-    from duplex.service import DuplexService, ServiceLimits
+    from duplex.base.config import ConfigError
+    from duplex.runtime.gateway import GatewaySettings, parse_host_port, run_gateway
+    from duplex.runtime.service import DuplexService, ServiceLimits
+    from duplex.transports.native import ServerSettings
 
     audiosocket = None
     uuids: list[uuid.UUID] | None = None
@@ -55,8 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from duplex.config import ConfigError, load_profile
-    from duplex.models_cmd import check_profile, print_reports
+    from duplex.base.config import ConfigError, load_profile
+    from duplex.runtime.models_cmd import check_profile, print_reports
 
     try:
         profile = load_profile(args.profile)
@@ -75,10 +75,10 @@ def _talk(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.asr:
-        from duplex.bench_asr import run as bench_asr
+        from duplex.bench.asr import run as bench_asr
 
         return bench_asr(args)
-    from duplex.bench import main as bench_main
+    from duplex.bench.serve import main as bench_main
 
     return bench_main(args)
 
@@ -149,12 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a part of the service on held-out data")
     esub = e.add_subparsers(dest="what", required=True)
     ed = esub.add_parser("dialogue", help="turn-taking takeover rates, relay vs slow-only onset and quality")
-    from duplex.eval_dialogue import add_arguments as add_eval_dialogue_arguments
+    from duplex.eval.dialogue import add_arguments as add_eval_dialogue_arguments
 
     add_eval_dialogue_arguments(ed)
     ed.set_defaults(func=_eval_dialogue)
     ea = esub.add_parser("asr", help="streaming ASR WER per lookahead beside Moonshine, on held-out voices or a folder")
-    from duplex.eval_asr import add_arguments as add_eval_asr_arguments
+    from duplex.eval.asr import add_arguments as add_eval_asr_arguments
 
     add_eval_asr_arguments(ea)
     ea.set_defaults(func=_eval_asr)
@@ -162,13 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _eval_asr(args: argparse.Namespace) -> int:
-    from duplex.eval_asr import run
+    from duplex.eval.asr import run
 
     return run(args)
 
 
 def _eval_dialogue(args: argparse.Namespace) -> int:
-    from duplex.eval_dialogue import run
+    from duplex.eval.dialogue import run
 
     return run(args)
 

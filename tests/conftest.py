@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from duplex.gateway import Gateway, GatewaySettings
-from duplex.server import DuplexServer, ServerSettings
-from duplex.service import DuplexService, ServiceLimits
+from duplex.runtime.gateway import Gateway, GatewaySettings
+from duplex.runtime.service import DuplexService, ServiceLimits
+from duplex.transports.native import DuplexServer, ServerSettings
 
 
 @dataclass

@@ -22,7 +22,7 @@ from asr.moonshine import (
     load_tokenizer,
 )
 from asr.vad import ModelError
-from duplex.config import ComponentConfig, ConfigError, load_profile
+from duplex.base.config import ComponentConfig, ConfigError, load_profile
 from tests.speech import silence, synthesize
 
 pytestmark = pytest.mark.integration

@@ -21,8 +21,8 @@ from asr.nemo_streaming import (  # noqa: E402
     complete_frames,
     load_streaming_asr_stage,
 )
-from asr.streaming_model import ATT_CONTEXT_SIZES, build_model, model_config, train_tokenizer  # noqa: E402
-from duplex.config import ComponentConfig, ConfigError  # noqa: E402
+from asr.training.streaming_model import ATT_CONTEXT_SIZES, build_model, model_config, train_tokenizer  # noqa: E402
+from duplex.base.config import ComponentConfig, ConfigError  # noqa: E402
 from tests.speech import synthesize  # noqa: E402
 
 TEXT = ["hello how are you today", "what is the capital of france", "book a table for four at seven",
@@ -195,7 +195,7 @@ def test_nemo_file_loads_through_models_yaml_path(tiny, speech, tmp_path):
         load_streaming_asr_stage(ComponentConfig("asr", "nemo-streaming", {"path": str(path)}, {"lookahead_ms": 500}))
     with pytest.raises(ConfigError, match="needs an RNNT"):
         load_streaming_asr_stage(ComponentConfig("asr", "nemo-streaming", {"path": str(path)}, {"decoder": "rnnt"}))
-    from duplex.errors import ModelError
+    from duplex.base.errors import ModelError
 
     with pytest.raises(ModelError, match="does not exist"):
         load_streaming_asr_stage(ComponentConfig("asr", "nemo-streaming", {"path": str(tmp_path / "no.nemo")}))
@@ -217,10 +217,10 @@ def test_bad_input_and_reuse_after_final(tiny):
 
 def test_missing_shipped_model_says_how_to_get_one(tmp_path, monkeypatch):
     import asr.nemo_streaming as ns
-    from duplex.errors import ModelError
+    from duplex.base.errors import ModelError
 
     monkeypatch.setattr(ns, "SHIPPED", tmp_path / "fc_small.nemo")
-    with pytest.raises(ModelError, match="not trained yet.*asr.train_streaming"):
+    with pytest.raises(ModelError, match="not trained yet.*asr.training.train_streaming"):
         load_streaming_asr_stage(ComponentConfig("asr", "nemo-streaming", {"shipped": True}))
     with pytest.raises(ConfigError, match="weights need one of"):
         load_streaming_asr_stage(ComponentConfig("asr", "nemo-streaming", {}))

@@ -10,11 +10,11 @@ pytest.importorskip("nemo.collections.asr", reason="the streaming ASR backend ne
 
 from asr.moonshine import AsrChunk  # noqa: E402
 from asr.nemo_streaming import SHIPPED  # noqa: E402
-from duplex.config import load_profile  # noqa: E402
-from duplex.session import SR, SessionCore  # noqa: E402
+from duplex.base.config import load_profile  # noqa: E402
+from duplex.core.session import SR, SessionCore  # noqa: E402
 from tests.speech import synthesize  # noqa: E402
 
-# The shipped model is trained by `python -m asr.train_streaming` (docs/asr.md). The weights in the
+# The shipped model is trained by `python -m asr.training.train_streaming` (docs/asr.md). The weights in the
 # repository are an early checkpoint (step 2476, ~87 % held-out WER): the tests below assert what the
 # streaming path does with it on real speech (words out while the audio streams in, on time, the
 # end-of-utterance signal, the session core's partials and final); what it should *hear* is asserted by
@@ -28,7 +28,7 @@ def stage():
     import torch
 
     torch.set_num_threads(1)
-    from duplex.service import load_asr
+    from duplex.runtime.service import load_asr
 
     return load_asr(load_profile("cpu-streaming").component("asr"))
 
@@ -81,10 +81,10 @@ def test_noise_is_no_word_to_the_decoder(stage):
 
 def test_session_core_on_the_streaming_asr_transcribes_while_the_user_speaks(stage):
     from asr.vad import load_vad_stage
-    from duplex.testing import FakeClock, replay
+    from duplex.testing.fakes import FakeClock, replay
 
     profile = load_profile("cpu-streaming")
-    from duplex.testing import fake_stages
+    from duplex.testing.fakes import fake_stages
 
     stages = fake_stages(lambda history: "paris is the capital of france")
     import dataclasses
@@ -111,8 +111,8 @@ def test_training_goes_on_from_the_shipped_model(tmp_path):
 
     import torch
 
-    from asr.streaming_model import build_model, model_config
-    from asr.train_streaming import RESTART_WARMUP, init_run, lr_at
+    from asr.training.streaming_model import build_model, model_config
+    from asr.training.train_streaming import RESTART_WARMUP, init_run, lr_at
 
     meta = init_run(SHIPPED, tmp_path)
     info = json.loads(SHIPPED.with_suffix(".json").read_text())

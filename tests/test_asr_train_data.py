@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("espeakng_loader")
 
-from asr.train_data import SAMPLE_RATE, Speaker, VoiceSpec, augment_timed, normalize_text  # noqa: E402
-from asr.train_streaming import FRAME_S, PHONE_CLASSES, alignment_targets, phone_class, phone_targets  # noqa: E402
+from asr.training.data import SAMPLE_RATE, Speaker, VoiceSpec, augment_timed, normalize_text  # noqa: E402
+from asr.training.train_streaming import FRAME_S, PHONE_CLASSES, alignment_targets, phone_class, phone_targets  # noqa: E402
 
 
 def _envelope(audio: np.ndarray) -> np.ndarray:
@@ -106,7 +106,7 @@ def test_phone_targets_label_every_frame_by_the_phoneme_at_its_centre():
 
 
 def test_an_espeak_crash_costs_one_utterance_not_the_process():
-    from asr.espeak_voice import IsolatedEspeak, SynthesisCrash
+    from asr.training.espeak_voice import IsolatedEspeak, SynthesisCrash
 
     voice = IsolatedEspeak()
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asr.wer import matched_words, wer, word_errors
+from asr.training.wer import matched_words, wer, word_errors
 
 
 def test_word_errors_count_edits_on_normalised_words():

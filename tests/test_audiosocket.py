@@ -12,10 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from duplex import audiosocket
-from duplex.audiosocket import AudioSocketServer
-from duplex.config import load_profile
-from duplex.events import (
+from duplex.base.config import load_profile
+from duplex.core.events import (
     DtmfReceived,
     Interrupted,
     ResponseAudioStarted,
@@ -23,9 +21,11 @@ from duplex.events import (
     ServerEvent,
     SessionStarted,
 )
-from duplex.peers.audiosocket import AudioSocketPeer, message
-from duplex.service import DuplexService, ServiceLimits
-from duplex.testing import decode_tones, fake_stages, scripted_answer, tone_speech
+from duplex.runtime.service import DuplexService, ServiceLimits
+from duplex.testing.audiosocket_sim import AudioSocketPeer, message
+from duplex.testing.fakes import decode_tones, fake_stages, scripted_answer, tone_speech
+from duplex.transports import audiosocket
+from duplex.transports.audiosocket import AudioSocketServer
 
 PARIS = "paris is the capital of france".split()
 FINE = "i am fine thanks".split()
@@ -155,7 +155,7 @@ async def test_talking_over_the_answer_stops_the_audio(gw):
 
 @pytest.mark.parametrize("how", ["terminate", "close", "abort", "truncated"])
 async def test_hangup_mid_answer_frees_the_session(gw, how, caplog):
-    caplog.set_level(logging.INFO, logger="duplex.audiosocket")
+    caplog.set_level(logging.INFO, logger="duplex.transports.audiosocket")
     call = gw.call()
     await call.connect()
     await call.pause(0.2)
@@ -196,7 +196,7 @@ async def test_only_allowed_uuids_get_a_session():
 
 
 async def test_malformed_input_is_survived_while_a_parallel_call_answers(gw, caplog):
-    caplog.set_level(logging.WARNING, logger="duplex.audiosocket")
+    caplog.set_level(logging.WARNING, logger="duplex.transports.audiosocket")
 
     async def good_call() -> list[str]:
         async with gw.call(jitter_ms=10, seed=1) as call:
@@ -244,7 +244,7 @@ async def test_malformed_input_is_survived_while_a_parallel_call_answers(gw, cap
 
 
 async def test_dtmf_reaches_on_event_with_the_session_id(gw, caplog):
-    caplog.set_level(logging.INFO, logger="duplex.audiosocket")
+    caplog.set_level(logging.INFO, logger="duplex.transports.audiosocket")
     async with gw.call() as call:
         await until(lambda: gw.server.calls, 2)
         sid = gw.session_of(call)
@@ -287,7 +287,7 @@ async def test_no_uuid_in_time_closes_the_connection(gw, monkeypatch):
 
 
 async def test_a_peer_that_stops_reading_is_dropped(gw, monkeypatch, caplog):
-    caplog.set_level(logging.WARNING, logger="duplex.audiosocket")
+    caplog.set_level(logging.WARNING, logger="duplex.transports.audiosocket")
     monkeypatch.setattr(audiosocket, "DRAIN_TIMEOUT_S", 0.5)
     monkeypatch.setattr(audiosocket, "WRITE_BUFFER_BYTES", 2048)
     monkeypatch.setattr(audiosocket, "SEND_BUFFER_BYTES", 4096)
@@ -332,7 +332,7 @@ async def test_a_failing_on_event_callback_does_not_end_the_call():
     ("0.0.0.0", None, True), ("0.0.0.0", [uuid.uuid4()], False), ("127.0.0.1", None, False),
 ])
 async def test_an_open_listener_without_allow_list_is_warned_about(host, allowed, warned, caplog):
-    caplog.set_level(logging.WARNING, logger="duplex.audiosocket")
+    caplog.set_level(logging.WARNING, logger="duplex.transports.audiosocket")
     service = DuplexService(load_profile("cpu"), fake_stages(scripted_answer))
     server = AudioSocketServer(service, host, 0, allowed_uuids=allowed)
     await server.start()

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-from duplex.bench import InProcessServer, main
-from duplex.bench_transport import format_transport_table, run_transport_bench
+from duplex.base.config import load_profile
+from duplex.bench.serve import InProcessServer, main
+from duplex.bench.transport import format_transport_table, run_transport_bench
 from duplex.cli import build_parser
-from duplex.config import load_profile
-from duplex.service import DuplexService
-from duplex.testing import fake_stages, scripted_answer, tone_speech
+from duplex.runtime.service import DuplexService
+from duplex.testing.fakes import fake_stages, scripted_answer, tone_speech
 
 
 def test_every_transport_answers_and_adds_almost_nothing_over_native():

@@ -26,11 +26,11 @@ import numpy as np
 import pytest
 
 from codec.resample import resample
-from duplex.config import load_profile
-from duplex.server import DuplexServer, ServerSettings
-from duplex.service import DuplexService
-from duplex.session import SR
-from duplex.testing import fake_stages, scripted_answer, tone_speech
+from duplex.base.config import load_profile
+from duplex.core.session import SR
+from duplex.runtime.service import DuplexService
+from duplex.testing.fakes import fake_stages, scripted_answer, tone_speech
+from duplex.transports.native import DuplexServer, ServerSettings
 
 BROWSER_DIR = Path(__file__).parent / "browser"
 DRIVER = BROWSER_DIR / "run_browser.mjs"

@@ -2,7 +2,7 @@
 ends a turn the VAD would hold open (a hum or a noisy room after the words), its next words resume
 the turn, and sound over an answer with no word in it neither holds nor stops the answer.
 
-Replayed on a fake clock with tone speech (duplex.testing): the energy VAD hears white noise as
+Replayed on a fake clock with tone speech (duplex.testing.fakes): the energy VAD hears white noise as
 speech, the tone streaming ASR hears it as no word (as a recogniser hears a fan), so the two disagree
 exactly where the decoder's opinion matters.
 """
@@ -14,10 +14,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from duplex.config import ConfigError, load_profile
-from duplex.endpointing import Endpointer
-from duplex.session import SR, SessionCore
-from duplex.testing import (
+from duplex.base.config import ConfigError, load_profile
+from duplex.core.endpointing import Endpointer
+from duplex.core.session import SR, SessionCore
+from duplex.testing.fakes import (
     EnergyVad,
     FakeClock,
     ToneStreamingAsr,

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def say():
-    from duplex.session import SR
+    from duplex.core.session import SR
     from tests.speech import synthesize
 
     return lambda text: synthesize(text, sample_rate=SR)

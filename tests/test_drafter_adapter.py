@@ -1,4 +1,4 @@
-"""The distilled drafter: LoRA training pieces (dialogue/train_drafter.py) and the shipped adapter's
+"""The distilled drafter: LoRA training pieces (dialogue/training/train_drafter.py) and the shipped adapter's
 loading (dialogue/drafter_adapter.py), on tiny seeded models and the test tokenizer of test_engine.
 
 They prove: the adapter file applied to a fresh base model gives the same model that was trained
@@ -20,9 +20,9 @@ from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from dialogue import drafter_adapter as DA
-from dialogue import train_drafter as TD
 from dialogue.fast_decoder import FastDecoder
-from duplex.errors import ModelError
+from dialogue.training import train_drafter as TD
+from duplex.base.errors import ModelError
 from tests.test_engine import tiny
 from tests.test_engine import tokenizer as tokenizer  # noqa: F401  (the module-scoped fixture)
 

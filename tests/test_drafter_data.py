@@ -1,4 +1,4 @@
-"""The drafter's distillation data (dialogue/drafter_data.py): no held-out prompt is trained on,
+"""The drafter's distillation data (dialogue/training/drafter_data.py): no held-out prompt is trained on,
 and the slow model's answers are its greedy decoding.
 """
 
@@ -8,8 +8,8 @@ import json
 
 import torch
 
-from dialogue import drafter_data as DD
-from dialogue import train_verifier as TV
+from dialogue.training import drafter_data as DD
+from dialogue.training import train_verifier as TV
 from tests.test_engine import tiny
 from tests.test_engine import tokenizer as tokenizer  # noqa: F401  (the module-scoped fixture)
 

@@ -14,7 +14,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from codec.resample import resample
-from duplex.session import SR
+from duplex.core.session import SR
 
 pytestmark = pytest.mark.integration
 

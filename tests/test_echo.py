@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from clients.echo import EchoCanceller, EchoChunk, EchoConfig, FarEndBuffer, erle_db
-from duplex.testing import tone_speech
+from duplex.testing.fakes import tone_speech
 
 SR = 16000
 WINDOW = 512  # the tone server's energy VAD: RMS over 512 samples > 0.02 ...

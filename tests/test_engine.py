@@ -338,7 +338,7 @@ def test_a_second_relayed_answer_continues_its_own_prefix_not_the_previous_answe
 
 def test_first_step_decodes_until_the_first_phrase_and_the_answer_is_unchanged(tokenizer):
     from dialogue.engine import FIRST_PHRASE_MAX_TOKENS
-    from tts.phrases import first_phrase_ready
+    from duplex.base.phrases import first_phrase_ready
 
     slow = tiny("qwen2", len(tokenizer), 4)
     opts = SlowOptions(system_prompt=SYSTEM, max_new_tokens=24)

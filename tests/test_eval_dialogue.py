@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from duplex.eval_dialogue import auroc, decide, report, summarise_relay, turn_metrics
-from tts.phrases import first_phrase_ready
+from duplex.base.phrases import first_phrase_ready
+from duplex.eval.dialogue import auroc, decide, report, summarise_relay, turn_metrics
 
 
 def test_decision_rule_matches_the_session_core():
@@ -79,8 +79,8 @@ def test_relay_at_any_threshold_is_the_committed_or_the_discarded_run():
 def test_resummarise_rejudges_stored_runs(tmp_path, monkeypatch):
     import json
 
-    import duplex.eval_dialogue as E
-    from duplex.eval_dialogue import resummarise
+    import duplex.eval.dialogue as E
+    from duplex.eval.dialogue import resummarise
 
     rows = []
     for i in range(10):

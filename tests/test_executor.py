@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from duplex.executor import DeviceExecutor, Job
+from duplex.runtime.executor import DeviceExecutor, Job
 
 
 class Recorder:

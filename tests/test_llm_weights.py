@@ -70,7 +70,7 @@ def _fake_convert(calls: list[Path]):
 
 
 def test_weights_from_models_yaml() -> None:
-    from duplex.config import load_profile
+    from duplex.base.config import load_profile
 
     w = LlmWeights.from_config(load_profile("cpu").component("llm"))
     assert w.kind == "packages" and len(w.packages) == 6 and w.size == 491_400_064

@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from duplex import models_cmd
-from duplex.config import ComponentConfig, load_profile
+from duplex.base.config import ComponentConfig, load_profile
+from duplex.runtime import models_cmd
 
 
 def test_missing_package_names_the_pip_command(monkeypatch, capsys):

@@ -1,4 +1,4 @@
-"""Conversations for the drafter, verifier and relay eval (dialogue/multi_turn.py): earlier answers in
+"""Conversations for the drafter, verifier and relay eval (dialogue/training/multi_turn.py): earlier answers in
 the history, never mixing splits, and the measures of the long-session failure (copied openings).
 """
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import random
 
-from dialogue import drafter_data as DD
-from dialogue import multi_turn as MT
-from dialogue.train_drafter import copies_history
-from duplex.eval_dialogue import copied_openings, starts_like_earlier_answer
+from dialogue.training import drafter_data as DD
+from dialogue.training import multi_turn as MT
+from dialogue.training.train_drafter import copies_history
+from duplex.eval.dialogue import copied_openings, starts_like_earlier_answer
 
 
 def _rows() -> list[dict]:

@@ -24,12 +24,12 @@ from websockets.exceptions import ConnectionClosed
 
 from codec.g711 import alaw_to_float, float_to_ulaw, ulaw_to_float
 from codec.pcm import float_to_pcm16, pcm16_to_float
-from duplex.config import load_profile
-from duplex.realtime import REALTIME_PATH, mount_realtime
-from duplex.server import DuplexServer, ServerSettings
-from duplex.service import DuplexService, ServiceLimits
-from duplex.session import SessionCore
-from duplex.testing import decode_tones, fake_stages, scripted_answer, tone_speech
+from duplex.base.config import load_profile
+from duplex.core.session import SessionCore
+from duplex.runtime.service import DuplexService, ServiceLimits
+from duplex.testing.fakes import decode_tones, fake_stages, scripted_answer, tone_speech
+from duplex.transports.native import DuplexServer, ServerSettings
+from duplex.transports.realtime import REALTIME_PATH, mount_realtime
 
 RATE = 24000
 QUESTION = "what is the capital of france"

@@ -18,7 +18,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from codec.pcm import float_to_pcm16
-from duplex.realtime import mount_realtime
+from duplex.transports.realtime import mount_realtime
 from tests.test_realtime import validate
 
 pytestmark = pytest.mark.integration

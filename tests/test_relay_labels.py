@@ -1,4 +1,4 @@
-"""The verifier's judge labels (`dialogue/relay_labels.py`) with a tiny seeded model, and the relay
+"""The verifier's judge labels (`dialogue/training/relay_labels.py`) with a tiny seeded model, and the relay
 evaluation's rescoring of stored drafts: the relay answer is the committed words plus the slow
 model's greedy continuation, a prefix the slow model's own answer starts with costs nothing, the
 label follows the loss and the engine's hard rules, and cached results are read without a model."""
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dialogue import relay_labels as RL
-from dialogue import train_verifier as TV
+from dialogue.training import relay_labels as RL
+from dialogue.training import train_verifier as TV
 from tests.test_engine import SYSTEM, tiny
 from tests.test_engine import tokenizer as tokenizer  # noqa: F401 (the fixture)
 
@@ -108,7 +108,7 @@ def test_shipped_judge_results_come_first_and_only_for_the_same_draft(tmp_path, 
 
 
 def test_the_shipped_labels_are_the_shipped_verifiers():
-    """dialogue/data/relay_labels.jsonl holds a judge result for every draft the shipped verifier was
+    """data/dialogue/relay_labels.jsonl holds a judge result for every draft the shipped verifier was
     trained, tuned and tested on, and labelled by today's rule they give its metadata's label counts."""
     from dialogue.verifier import DEFAULT_WEIGHTS
 
@@ -139,7 +139,7 @@ class _Stage:
 
 
 def test_rescoring_replaces_each_stored_drafts_score_and_counts_changed_drafts():
-    from duplex.eval_dialogue import judge_labelled, rescore_rows
+    from duplex.eval.dialogue import judge_labelled, rescore_rows
 
     def run(q: float, committed: bool = False) -> dict:
         return {"answer": "a", "onset_s": 0.1, "committed": committed, "quality_likelihood": q, "p": 0.5,

@@ -26,8 +26,8 @@ from dialogue.remote_llm import (
     SseEvent,
     SseParser,
 )
-from duplex.config import ConfigError
-from duplex.errors import ModelError
+from duplex.base.config import ConfigError
+from duplex.base.errors import ModelError
 
 MODEL = "fake-model"
 USER = [{"role": "user", "content": "What is the capital of France?"}]

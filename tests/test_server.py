@@ -12,11 +12,11 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from codec.resample import resample
-from duplex.config import load_profile
-from duplex.server import DuplexServer, ServerSettings
-from duplex.service import DuplexService, ServiceLimits
-from duplex.session import SR
-from duplex.testing import decode_tones, fake_stages, scripted_answer, tone_speech
+from duplex.base.config import load_profile
+from duplex.core.session import SR
+from duplex.runtime.service import DuplexService, ServiceLimits
+from duplex.testing.fakes import decode_tones, fake_stages, scripted_answer, tone_speech
+from duplex.transports.native import DuplexServer, ServerSettings
 
 answer = scripted_answer
 

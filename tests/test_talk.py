@@ -20,11 +20,11 @@ import soundfile as sf
 
 from clients import talk
 from clients.talk import LiveTalk, Screen, TalkError, Timeline, talk_files, unheard
-from duplex.config import load_profile
-from duplex.server import DuplexServer, ServerSettings
-from duplex.service import DuplexService, ServiceLimits
-from duplex.session import SR
-from duplex.testing import WORD_SECONDS, decode_tones, fake_stages, scripted_answer, tone_speech
+from duplex.base.config import load_profile
+from duplex.core.session import SR
+from duplex.runtime.service import DuplexService, ServiceLimits
+from duplex.testing.fakes import WORD_SECONDS, decode_tones, fake_stages, scripted_answer, tone_speech
+from duplex.transports.native import DuplexServer, ServerSettings
 from tests.test_echo import room_response
 
 OUT_SR = 24000

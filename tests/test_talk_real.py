@@ -10,7 +10,7 @@ import pytest
 import soundfile as sf
 
 from codec.resample import resample
-from duplex.session import SR
+from duplex.core.session import SR
 
 pytestmark = pytest.mark.integration
 

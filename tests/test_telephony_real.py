@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from codec.resample import resample
-from duplex.peers.audiosocket import AudioSocketPeer
-from duplex.peers.twilio import TwilioPeer
-from duplex.session import SR
+from duplex.core.session import SR
+from duplex.testing.audiosocket_sim import AudioSocketPeer
+from duplex.testing.twilio_sim import TwilioPeer
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from asr.vad import ModelError
-from duplex.config import ComponentConfig, ConfigError, load_profile
+from duplex.base.config import ComponentConfig, ConfigError, load_profile
+from duplex.base.phrases import PhraseSegmenter, clean_text
 from tts.hibari_tts import (
     SAMPLE_RATE,
     HibariSynth,
@@ -22,7 +23,6 @@ from tts.hibari_tts import (
     load_tts_stage,
     trim_silence,
 )
-from tts.phrases import PhraseSegmenter, clean_text
 
 TEXTS = [
     "The capital of France is Paris. It is a beautiful city, with many museums and cafés!",

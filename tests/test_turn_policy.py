@@ -2,7 +2,7 @@
 
 The scripted turn head calls a thought complete when it ends on a word like "france" or "four",
 mid-sentence otherwise; the scripted overlap head calls "yes" a backchannel and anything else an
-interruption (see duplex.testing). The real heads are tested in tests/test_turn_taking.py and
+interruption (see duplex.testing.fakes). The real heads are tested in tests/test_turn_taking.py and
 through the server in tests/test_dialogue_real.py.
 """
 
@@ -12,9 +12,16 @@ import dataclasses
 
 import numpy as np
 
-from duplex.config import load_profile
-from duplex.session import SR, SessionCore
-from duplex.testing import FakeClock, decode_tones, fake_turn_stages, replay, scripted_answer, tone_speech
+from duplex.base.config import load_profile
+from duplex.core.session import SR, SessionCore
+from duplex.testing.fakes import (
+    FakeClock,
+    decode_tones,
+    fake_turn_stages,
+    replay,
+    scripted_answer,
+    tone_speech,
+)
 
 COSTS = {"vad": 0.002, "asr.partial": 0.05, "asr.final": 0.08, "llm.first": 0.2, "llm.step": 0.1,
          "llm.listen": 0.03, "llm.overlap": 0.03, "tts": 0.02}
@@ -164,7 +171,7 @@ def test_answer_audio_is_held_at_once_and_resumed_after_a_backchannel():
 
 
 def test_a_bare_interruption_cue_is_not_a_turn_to_answer() -> None:
-    from duplex.session import bare_interruption_cue
+    from duplex.core.session import bare_interruption_cue
 
     assert bare_interruption_cue("Stop,") and bare_interruption_cue("Hold on.") and bare_interruption_cue("wait")
     assert not bare_interruption_cue("Stop, what is two plus two?")

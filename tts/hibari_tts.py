@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from asr.vad import ModelError
-from duplex.config import ComponentConfig, ConfigError
-from duplex.stage import SequentialBatchMixin
-from tts.phrases import PhraseSegmenter, PhraseState
+from duplex.base.config import ComponentConfig, ConfigError
+from duplex.base.phrases import PhraseSegmenter, PhraseState
+from duplex.base.stage import SequentialBatchMixin
 
 SAMPLE_RATE = 24000
 PIP_HINT = "pip install hibari-tts==0.2.1"

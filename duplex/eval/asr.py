@@ -1,0 +1,274 @@
+"""`duplex eval asr`: word error rate of the streaming ASR per lookahead, beside Moonshine on the same audio.
+
+Data:
+- the held-out synthetic set (default): held-out sentences (asr/training/data.py: 1 in 20 by hash) spoken
+  by espeak-ng voices that training never used (`HELDOUT_VARIANTS`, `HELDOUT_ACCENTS`), clean, and
+  optionally augmented (`--augmented`: the training augmentation: noise, reverb, speed, telephone);
+- `--data DIR`: any folder of audio + transcript pairs: `x.wav` (or .flac) with `x.txt`, or the
+  LibriSpeech layout (`<spk>/<chapter>/<spk>-<chapter>.trans.txt` beside `<id>.flac`).
+
+Per lookahead the streaming model is run as the server runs it (the `nemo-streaming` stage, audio in
+80 ms packets), so the time at which each word first appears in a partial transcript is measured
+against the time the word ended: "first partial after spoken". On the synthetic set that end is the
+synthesiser's (espeak-ng's word events), for each final word an edit alignment pairs with the same
+reference word; on `--data` sets it is the model's own CTC timestamp.
+Moonshine (the cpu profile's ASR) transcribes each utterance whole. Text is normalised the same way for
+every system (lower case, letters and apostrophes). Results: asr.json and asr.png in `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("duplex.eval.asr")
+SR = 16000
+PACKET = 1280  # 80 ms
+
+
+@dataclass
+class Utterance:
+    id: str
+    text: str
+    audio: np.ndarray
+    voice: str = ""
+    word_ends: tuple[float, ...] | None = None  # when each reference word ends (s), where the synthesiser says
+
+
+def synthetic_set(n: int, augmented: bool, seed: int = 11) -> list[Utterance]:
+    from asr.training.data import Speaker, heldout_sentences, make_example
+
+    heldout = heldout_sentences()
+    speaker = Speaker()
+    out = []
+    for i in range(n):
+        e = make_example(speaker, heldout, seed, i, heldout=True, clean=not augmented)
+        ends = tuple(b for _, b in e.word_times) if e.word_times else None
+        out.append(Utterance(f"heldout-{i}", e.text, e.audio, e.voice, ends))
+    return out
+
+
+def _read_audio(path: Path) -> np.ndarray:
+    import soundfile as sf
+
+    from codec.resample import resample
+
+    audio, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    audio = audio.mean(axis=1)
+    return resample(audio, rate, SR) if rate != SR else audio
+
+
+def directory_set(root: Path, limit: int = 0) -> list[Utterance]:
+    """wav/flac + same-name .txt pairs, or LibriSpeech `*.trans.txt` chapters, under `root`."""
+    if not root.is_dir():
+        raise SystemExit(f"eval asr: {root} is not a directory")
+    pairs: list[tuple[str, Path, str]] = []
+    for trans in sorted(root.rglob("*.trans.txt")):  # LibriSpeech
+        for line in trans.read_text().splitlines():
+            if not line.strip():
+                continue
+            uid, _, text = line.partition(" ")
+            for ext in (".flac", ".wav"):
+                audio = trans.parent / f"{uid}{ext}"
+                if audio.exists():
+                    pairs.append((uid, audio, text))
+                    break
+    if not pairs:
+        for audio in sorted([*root.rglob("*.wav"), *root.rglob("*.flac")]):
+            txt = audio.with_suffix(".txt")
+            if txt.exists():
+                pairs.append((str(audio.relative_to(root)), audio, txt.read_text().strip()))
+    if not pairs:
+        raise SystemExit(f"eval asr: no audio with transcripts under {root} (x.wav + x.txt, or LibriSpeech layout)")
+    if limit:
+        pairs = pairs[:limit]
+    return [Utterance(uid, text, _read_audio(path)) for uid, path, text in pairs]
+
+
+def stream_utterance(stage: Any, audio: np.ndarray, reference: str = "",
+                     word_ends: tuple[float, ...] | None = None) -> tuple[str, list[float], float]:
+    """Final text, per-word delay (s) from the end of the word to its first appearance in a partial, and
+    compute seconds. A word's end is the synthesiser's (`word_ends` of `reference`, for the final words
+    an edit alignment pairs with equal reference words) or else the model's own CTC timestamp."""
+    from asr.moonshine import AsrChunk
+
+    state = stage.init_state()
+    first_seen: dict[int, float] = {}
+    compute = 0.0
+    pos = 0
+    out = None
+    while True:
+        final = pos >= audio.size
+        chunk = audio[pos: pos + PACKET] if not final else np.zeros(0, np.float32)
+        t = time.perf_counter()
+        out, state = stage.step(state, AsrChunk(chunk, transcribe=True, final=final))
+        compute += time.perf_counter() - t
+        pos += chunk.size
+        arrived = min(pos, audio.size) / SR
+        for i, _ in enumerate(out.words):
+            first_seen.setdefault(i, arrived if not final else audio.size / SR)
+        if final:
+            break
+    if word_ends is not None:
+        from asr.training.data import normalize_text
+        from asr.training.wer import matched_words
+
+        hyp = [normalize_text(w.word) for w in out.words]
+        pairs = matched_words(normalize_text(reference).split(), hyp)
+        delays = [first_seen[h] - word_ends[r] for r, h in pairs if h in first_seen and r < len(word_ends)]
+    else:
+        delays = [first_seen[i] - w.end for i, w in enumerate(out.words) if i in first_seen]
+    return out.text or "", delays, compute
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--profile", default="cpu-streaming", help="profile whose nemo-streaming asr is evaluated")
+    ap.add_argument("--model", default=None, help="a .nemo file instead of the profile's weights")
+    ap.add_argument("--lookaheads", default="all", help="'all' or a comma list of lookaheads in ms (e.g. 480,80)")
+    ap.add_argument("-n", "--n", type=int, default=200, help="held-out synthetic utterances")
+    ap.add_argument("--augmented", action="store_true", help="also score the held-out set with training augmentation")
+    ap.add_argument("--data", default=None, help="a folder of wav+txt pairs or LibriSpeech instead of the synthetic set")
+    ap.add_argument("--limit", type=int, default=0, help="with --data: at most this many utterances")
+    ap.add_argument("--no-moonshine", action="store_true", help="skip the Moonshine baseline")
+    ap.add_argument("--out", default="eval-out", help="folder for asr.json and asr.png")
+    ap.add_argument("--no-progress", action="store_true")
+
+
+def _progress(items: list, desc: str, enabled: bool):
+    if not enabled:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, unit="utt", leave=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from asr.nemo_streaming import NemoStreamingAsrStage, NemoStreamingModel, load_nemo_model
+    from asr.training.wer import wer
+    from duplex.base.config import load_profile
+
+    torch.set_num_threads(1)
+    progress = not args.no_progress
+    if args.model:
+        source = Path(args.model)
+    else:
+        cfg = load_profile(args.profile).component("asr")
+        if cfg.backend != "nemo-streaming":
+            raise SystemExit(f"eval asr: profile {args.profile!r} has asr backend {cfg.backend!r}, not nemo-streaming")
+        from asr.nemo_streaming import SHIPPED
+
+        source = Path(cfg.weights["path"]) if cfg.weights.get("path") else (
+            cfg.weights.get("name") or SHIPPED)
+    nemo_model = load_nemo_model(source)
+    enc = nemo_model.encoder
+    contexts = [list(c) for c in getattr(enc, "att_context_size_all", [enc.att_context_size])]
+    frame_ms = 1000 * int(getattr(enc, "subsampling_factor", 8)) * 160 / SR
+    if args.lookaheads != "all":
+        wanted = {float(x) for x in args.lookaheads.split(",")}
+        contexts = [c for c in contexts if c[1] * frame_ms in wanted]
+        if not contexts:
+            raise SystemExit(f"eval asr: none of the lookaheads {sorted(wanted)} is the model's")
+    sets: dict[str, list[Utterance]] = {}
+    if args.data:
+        sets[Path(args.data).name or "data"] = directory_set(Path(args.data), args.limit)
+    else:
+        sets["heldout-voices"] = synthetic_set(args.n, augmented=False)
+        if args.augmented:
+            sets["heldout-voices-augmented"] = synthetic_set(args.n, augmented=True)
+    results: dict[str, Any] = {"model": str(source), "date": time.strftime("%Y-%m-%d %H:%M"), "sets": {}}
+    moonshine = None
+    if not args.no_moonshine:
+        from asr.moonshine import MoonshineModel
+
+        moonshine = MoonshineModel()
+    for name, utts in sets.items():
+        refs = [u.text for u in utts]
+        audio_s = sum(u.audio.size for u in utts) / SR
+        entry: dict[str, Any] = {"n": len(utts), "words": sum(len(r.split()) for r in refs),
+                                 "audio_minutes": round(audio_s / 60, 2), "streaming": {}}
+        for ctx in contexts:
+            stage = NemoStreamingAsrStage(NemoStreamingModel(nemo_model, att_context_size=ctx))
+            hyps, delays, compute = [], [], 0.0
+            for u in _progress(utts, f"{name} lookahead {ctx[1] * frame_ms:g} ms", progress):
+                text, d, c = stream_utterance(stage, u.audio, u.text, u.word_ends)
+                hyps.append(text)
+                delays.extend(d)
+                compute += c
+            la = ctx[1] * frame_ms
+            entry["streaming"][f"{la:g}"] = {
+                "att_context_size": ctx, "lookahead_ms": la, "chunk_ms": stage.m.chunk_ms,
+                "wer": round(wer(refs, hyps), 4), "rtf": round(compute / audio_s, 4),
+                "first_partial_after_word_end_ms": {
+                    "p50": round(1000 * float(np.percentile(delays, 50)), 1) if delays else None,
+                    "p90": round(1000 * float(np.percentile(delays, 90)), 1) if delays else None,
+                    "n": len(delays), "bound_chunk_plus_lookahead_ms": stage.m.chunk_ms + la,
+                    "word_end": "synthesiser" if all(u.word_ends for u in utts) else "model timestamps"},
+                "examples": [{"ref": r, "hyp": h} for r, h in list(zip(refs, hyps, strict=False))[:5]]}
+            log.info("%s lookahead %g ms: WER %.3f", name, la, entry["streaming"][f"{la:g}"]["wer"])
+        if moonshine is not None:
+            hyps, compute = [], 0.0
+            for u in _progress(utts, f"{name} moonshine", progress):
+                t = time.perf_counter()
+                hyps.append(moonshine.transcribe(u.audio))
+                compute += time.perf_counter() - t
+            entry["moonshine"] = {"wer": round(wer(refs, hyps), 4), "rtf": round(compute / audio_s, 4),
+                                  "examples": [{"ref": r, "hyp": h} for r, h in list(zip(refs, hyps, strict=False))[:5]]}
+        results["sets"][name] = entry
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "asr.json").write_text(json.dumps(results, indent=1) + "\n")
+    _print(results)
+    _plot(results, out / "asr.png")
+    print(f"wrote {out / 'asr.json'} and {out / 'asr.png'}")
+    return 0
+
+
+def _print(results: dict[str, Any]) -> None:
+    for name, e in results["sets"].items():
+        print(f"\n{name}: {e['n']} utterances, {e['words']} words, {e['audio_minutes']} min")
+        print(f"  {'system':<28} {'WER':>7} {'RTF':>7}  first partial after word end P50/P90 (bound)")
+        for la, s in e["streaming"].items():
+            d = s["first_partial_after_word_end_ms"]
+            print(f"  {'streaming, lookahead ' + la + ' ms':<28} {100 * s['wer']:6.1f}% {s['rtf']:7.3f}  "
+                  f"{d['p50']}/{d['p90']} ms (<= {d['bound_chunk_plus_lookahead_ms']:g} ms), n={d['n']}")
+        if "moonshine" in e:
+            print(f"  {'moonshine base-en (whole)':<28} {100 * e['moonshine']['wer']:6.1f}% {e['moonshine']['rtf']:7.3f}")
+
+
+def _plot(results: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    sets = list(results["sets"].items())
+    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4), squeeze=False)
+    for ax, (name, e) in zip(axes[0], sets, strict=False):
+        labels = [f"stream\n{la} ms" for la in e["streaming"]]
+        values = [100 * s["wer"] for s in e["streaming"].values()]
+        colors = ["tab:blue"] * len(values)
+        if "moonshine" in e:
+            labels.append("moonshine\n(whole)")
+            values.append(100 * e["moonshine"]["wer"])
+            colors.append("tab:gray")
+        ax.bar(labels, values, color=colors)
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.1f}", ha="center", va="bottom")
+        ax.set_ylabel("WER %")
+        ax.set_title(f"{name} (n={e['n']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

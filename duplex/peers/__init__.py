@@ -1,1 +1,0 @@
-"""Faithful simulators of the peers our transports talk to (Twilio, Asterisk, ...), for tests and benchmarks."""

@@ -1,0 +1,191 @@
+"""The service: one profile's stages, one device executor, and the sessions sharing them."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from duplex.base.config import Profile, SessionOptions, load_profile
+from duplex.core.session import SR, SessionCore, Stages
+from duplex.runtime.executor import DeviceExecutor
+
+log = logging.getLogger("duplex.runtime.service")
+
+
+class CapacityError(RuntimeError):
+    """The service already holds its maximum number of sessions."""
+
+
+def build_stages(profile: Profile, progress: bool = True) -> Stages:
+    """Load the real stages a profile names (this imports the model packages)."""
+    from asr.moonshine import AsrChunk
+    from asr.vad import load_vad_stage
+    from dialogue.engine import ListenStep, OverlapStep, RespondStep, load_dialogue_stage
+    from tts.hibari_tts import TtsInput, load_tts_stage
+
+    backends = {name: c.backend for name, c in profile.components.items()}
+    expected = {"vad": ("silero-onnx",), "asr": ("moonshine", "nemo-streaming"), "llm": ("transformers-gguf", "openai-chat"),
+                "tts": ("hibari",), "drafter": ("transformers-gguf",)}
+    for name, backend in expected.items():
+        if backends.get(name) is not None and backends.get(name) not in backend:
+            raise ValueError(
+                f"profile {profile.name!r}: {name} backend {backends.get(name)!r} is not available "
+                f"in this build (known: {backend})"
+            )
+    t0 = time.perf_counter()
+    vad = load_vad_stage(profile.component("vad"))
+    asr = load_asr(profile.component("asr"))
+    tts = load_tts_stage(profile.component("tts"))
+    drafter = profile.components.get("drafter")
+    llm = load_dialogue_stage(profile.component("llm"), drafter, progress=progress)
+    log.info("stages loaded in %.1f s", time.perf_counter() - t0)
+    turn = llm.listens
+    policy = llm.policy
+    words = int(tts.segmenter.first_phrase_words)
+    return Stages(
+        vad=vad,
+        asr=asr,
+        llm=llm,
+        tts=tts,
+        asr_chunk=lambda samples, transcribe, final: AsrChunk(samples=samples, transcribe=transcribe, final=final),
+        llm_step=lambda messages, max_tokens: RespondStep(messages=messages, max_tokens=max_tokens),
+        tts_input=lambda text, final: TtsInput(text=text, final=final),
+        # with the relay on, the drafter also prefills the end of the turn after each slice
+        listen_step=(lambda messages, text, slow, relay: ListenStep(messages, text, slow, relay)) if turn else None,
+        overlap_step=(lambda text: OverlapStep(text)) if turn else None,
+        # the first step decodes until the TTS can speak (its first phrase), not a fixed token count
+        respond_step=lambda messages, max_tokens, relay: RespondStep(messages, max_tokens, relay, phrase_words=words),
+        speak_threshold=float(getattr(policy, "speak_threshold", 0.5)),
+        backchannel_threshold=float(getattr(policy, "backchannel_threshold", 0.5)),
+        take_threshold=getattr(policy, "take_threshold", None),
+    )
+
+
+def load_asr(cfg: Any) -> Any:
+    """The ASR stage for a models.yaml `asr` component; NeMo is imported only for nemo-streaming."""
+    if cfg.backend == "nemo-streaming":
+        from asr.nemo_streaming import load_streaming_asr_stage
+
+        return load_streaming_asr_stage(cfg)
+    from asr.moonshine import load_asr_stage
+
+    return load_asr_stage(cfg)
+
+
+def warm_up(stages: Stages) -> dict[str, float]:
+    """Run each stage once so the first user does not pay for lazy initialisation."""
+    times: dict[str, float] = {}
+    t = time.perf_counter()
+    stages.vad.step(stages.vad.init_state(), np.zeros(SR // 2, dtype=np.float32))
+    times["vad"] = time.perf_counter() - t
+    t = time.perf_counter()
+    noise = (0.01 * np.random.default_rng(0).standard_normal(SR)).astype(np.float32)
+    stages.asr.step(stages.asr.init_state(), stages.asr_chunk(noise, True, True))
+    times["asr"] = time.perf_counter() - t
+    t = time.perf_counter()
+    state = stages.llm.init_state()
+    if stages.listen_step is not None:
+        stages.llm.step(state, stages.listen_step([], "Hi there", True, None))
+    stages.llm.step(state, stages.llm_step([{"role": "user", "content": "Hi there."}], 2))
+    times["llm"] = time.perf_counter() - t
+    t = time.perf_counter()
+    stages.tts.step(stages.tts.init_state(), stages.tts_input("Hello there.", True))
+    times["tts"] = time.perf_counter() - t
+    return times
+
+
+@dataclass
+class ServiceLimits:
+    max_sessions: int = 8
+    bulk_workers: int = 1
+
+
+class DuplexService:
+    """Owns the stages and the executor; creates session cores for transports."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        stages: Stages,
+        *,
+        limits: ServiceLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.profile = profile
+        self.stages = stages
+        self.limits = limits or ServiceLimits()
+        self.clock = clock
+        self.executor = DeviceExecutor(bulk_workers=self.limits.bulk_workers, clock=clock)
+        for stage_name in ("vad", "asr", "llm", "tts"):
+            self.executor.register(getattr(stages, stage_name), name=stage_name)
+        self.sessions: dict[str, SessionCore] = {}
+        self.started = time.time()
+        self.sessions_total = 0
+
+    @classmethod
+    def load(cls, profile_name: str | None = None, *, progress: bool = True, warm: bool = True,
+             limits: ServiceLimits | None = None) -> DuplexService:
+        profile = load_profile(profile_name)
+        stages = build_stages(profile, progress=progress)
+        if warm:
+            log.info("warm-up: %s", {k: round(v, 3) for k, v in warm_up(stages).items()})
+        return cls(profile, stages, limits=limits)
+
+    def full(self) -> bool:
+        return len(self.sessions) >= self.limits.max_sessions
+
+    def open_session(self, options: SessionOptions | None = None) -> SessionCore:
+        if self.full():
+            raise CapacityError(f"server is at capacity ({self.limits.max_sessions} sessions)")
+        session_id = uuid.uuid4().hex[:12]
+        core = SessionCore(session_id, self.profile, self.stages, self.clock, options=options)
+        self.sessions[session_id] = core
+        self.sessions_total += 1
+        return core
+
+    def close_session(self, session_id: str) -> None:
+        core = self.sessions.pop(session_id, None)
+        if core is not None:
+            core.close()
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "profile": self.profile.name,
+            "sessions": len(self.sessions),
+            "max_sessions": self.limits.max_sessions,
+            "sessions_total": self.sessions_total,
+            "uptime_s": round(time.time() - self.started, 1),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Health, per-stage executor statistics, and this process's CPU time and memory."""
+        import resource
+
+        import psutil
+
+        proc = psutil.Process()
+        cpu = proc.cpu_times()
+        return {
+            **self.health(),
+            "executor": self.executor.stats(),
+            "queue_depth": self.executor.queue_depth(),
+            "process": {
+                "cpu_user_s": round(cpu.user, 3),
+                "cpu_system_s": round(cpu.system, 3),
+                "rss_mb": round(proc.memory_info().rss / 2**20, 1),
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "threads": proc.num_threads(),
+            },
+        }
+
+    def close(self) -> None:
+        for sid in list(self.sessions):
+            self.close_session(sid)
+        self.executor.close()

@@ -1,0 +1,498 @@
+"""A test harness that ships with the package: tiny deterministic stages and a replay driver.
+
+"Tone speech" stands in for speech in unit tests: every word of a small vocabulary is a 200 ms
+sine at its own frequency, so a fake ASR can decode words from audio and a test can decode what
+the bot *said* from the audio it sent. `replay()` runs a `SessionCore` against a fake clock as a
+discrete-event simulation: a whole conversation replays deterministically, faster than real time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from duplex.base.stage import SequentialBatchMixin
+from duplex.core.session import SR, SessionCore, Stages
+from duplex.runtime.executor import Job
+
+VOCAB = (
+    "what is the capital of france paris yes no stop two plus four hello how are you "
+    "fine thanks tell me a story once upon time there was cat i am and it very good"
+).split()
+WORD_SECONDS = 0.2
+GAP_SECONDS = 0.05
+OUT_SR = 24000
+
+
+def word_freq(word: str) -> float:
+    return 300.0 + 40.0 * VOCAB.index(word)
+
+
+def tone_speech(text: str, sr: int = SR, amplitude: float = 0.3) -> np.ndarray:
+    """Words as tones separated by short gaps (a pause inside a turn is explicit silence)."""
+    parts: list[np.ndarray] = []
+    t = np.arange(int(sr * WORD_SECONDS)) / sr
+    gap = np.zeros(int(sr * GAP_SECONDS), dtype=np.float32)
+    for word in text.lower().split():
+        parts.append((amplitude * np.sin(2 * np.pi * word_freq(word) * t)).astype(np.float32))
+        parts.append(gap)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+
+def decode_tones(audio: np.ndarray, sr: int) -> list[str]:
+    """Inverse of tone_speech: loud runs of 10 ms frames -> nearest vocabulary frequency."""
+    return [w for w, _, _ in decode_tone_words(audio, sr)]
+
+
+def decode_tone_words(audio: np.ndarray, sr: int, tonal_only: bool = False) -> list[tuple[str, float, float]]:
+    """Words of tone speech with their start and end in seconds. With `tonal_only`, a loud frame
+    counts only if one frequency dominates it, so noise is heard as no word at all (as a real
+    recogniser hears a hum or a noisy room)."""
+    hop = sr // 100
+    n = len(audio) // hop
+    if n == 0:
+        return []
+    frames = audio[: n * hop].reshape(n, hop)
+    loud = np.sqrt((frames**2).mean(axis=1)) > 0.02
+    if tonal_only:
+        spectra = np.abs(np.fft.rfft(frames * np.hanning(hop), axis=1))
+        loud &= spectra.max(axis=1) > 8.0 * spectra.mean(axis=1)
+    words: list[tuple[str, float, float]] = []
+    i = 0
+    while i < n:
+        if not loud[i]:
+            i += 1
+            continue
+        j = i
+        while j < n and loud[j]:
+            j += 1
+        if j - i >= 5:  # at least 50 ms: a (possibly cut) word
+            seg = audio[i * hop : j * hop]
+            spectrum = np.abs(np.fft.rfft(seg * np.hanning(len(seg))))
+            freq = float(np.argmax(spectrum)) * sr / len(seg)
+            k = int(round((freq - 300.0) / 40.0))
+            if 0 <= k < len(VOCAB):
+                words.append((VOCAB[k], i * hop / sr, j * hop / sr))
+        i = j
+    return words
+
+
+# -- tiny stages -------------------------------------------------------------------------
+
+
+@dataclass
+class EnergyVadState:
+    leftover: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    consumed: int = 0
+
+
+class EnergyVad(SequentialBatchMixin[EnergyVadState, np.ndarray, list[tuple[int, float]]]):
+    """512-sample windows, P(speech) = 1 when the RMS is above a floor."""
+
+    kind = "vad"
+
+    def init_state(self) -> EnergyVadState:
+        return EnergyVadState()
+
+    def step(self, state: EnergyVadState, chunk: np.ndarray) -> tuple[list[tuple[int, float]], EnergyVadState]:
+        buf = np.concatenate([state.leftover, chunk])
+        out: list[tuple[int, float]] = []
+        pos = 0
+        while len(buf) - pos >= 512:
+            w = buf[pos : pos + 512]
+            pos += 512
+            end = state.consumed + 512
+            state = EnergyVadState(state.leftover, end)
+            out.append((end, 1.0 if float(np.sqrt((w**2).mean())) > 0.02 else 0.0))
+        return out, EnergyVadState(buf[pos:].copy(), state.consumed)
+
+
+@dataclass(frozen=True)
+class FakeAsrChunk:
+    samples: np.ndarray
+    transcribe: bool
+    final: bool
+
+
+@dataclass(frozen=True)
+class FakeAsrOutput:
+    text: str
+    is_final: bool
+    audio_seconds: float
+    compute_seconds: float = 0.0
+
+
+@dataclass
+class ToneAsrState:
+    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+
+
+class ToneAsr(SequentialBatchMixin[ToneAsrState, FakeAsrChunk, FakeAsrOutput | None]):
+    kind = "asr"
+
+    def init_state(self) -> ToneAsrState:
+        return ToneAsrState()
+
+    def step(self, state: ToneAsrState, chunk: FakeAsrChunk) -> tuple[FakeAsrOutput | None, ToneAsrState]:
+        audio = np.concatenate([state.audio, chunk.samples])
+        new = ToneAsrState(audio)
+        if not chunk.transcribe:
+            return None, new
+        text = " ".join(decode_tones(audio, SR))
+        return FakeAsrOutput(text, chunk.final, len(audio) / SR), new
+
+
+@dataclass(frozen=True)
+class FakeWord:
+    word: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class FakeStreamingAsrOutput(FakeAsrOutput):
+    words: tuple[FakeWord, ...] = ()
+    eou: bool = False
+    trailing_silence_ms: float = 0.0
+    no_words: bool = False
+
+
+class ToneStreamingAsr(ToneAsr):
+    """A streaming ASR for tone speech, shaped like asr.nemo_streaming's output: words with times and
+    the decoder's end-of-utterance signal (`eou` once `eou_silence_ms` with no word follows the last
+    one). Noise is no word (`decode_tone_words(tonal_only=True)`), and the decoder only sees audio up
+    to the last complete chunk, as a cache-aware model does."""
+
+    streaming = True
+
+    def __init__(self, eou_silence_ms: float = 640.0, chunk_ms: float = 160.0) -> None:
+        self.eou_s = eou_silence_ms / 1000
+        self.chunk = int(SR * chunk_ms / 1000)
+
+    def step(self, state: ToneAsrState, chunk: FakeAsrChunk) -> tuple[FakeAsrOutput | None, ToneAsrState]:
+        audio = np.concatenate([state.audio, chunk.samples])
+        new = ToneAsrState(audio)
+        if not chunk.transcribe:
+            return None, new
+        seen = audio if chunk.final else audio[: len(audio) // self.chunk * self.chunk]
+        words = tuple(FakeWord(w, a, b) for w, a, b in decode_tone_words(seen, SR, tonal_only=True))
+        trailing = len(seen) / SR - (words[-1].end if words else 0.0)
+        return FakeStreamingAsrOutput(
+            " ".join(w.word for w in words), chunk.final, len(audio) / SR, words=words,
+            eou=bool(words) and trailing >= self.eou_s, trailing_silence_ms=round(1000 * trailing, 1),
+            no_words=not words and trailing >= self.eou_s), new
+
+
+@dataclass(frozen=True)
+class FakeLlmStep:
+    messages: list[dict[str, str]] | None
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class FakeLlmOutput:
+    text: str
+    done: bool
+    n_tokens: int
+
+
+@dataclass
+class ScriptedLlmState:
+    context: list[dict[str, str]] = field(default_factory=list)
+    reply: list[str] = field(default_factory=list)
+    pos: int = 0
+    prompts: int = 0  # how many times a prompt was (re)built: the test checks context handling
+
+
+class ScriptedLlm(SequentialBatchMixin[ScriptedLlmState, FakeLlmStep, FakeLlmOutput]):
+    """Replies with `reply_fn(history)` one word per token; records the context it was given."""
+
+    kind = "llm"
+
+    def __init__(self, reply_fn: Callable[[list[dict[str, str]]], str]) -> None:
+        self.reply_fn = reply_fn
+        self.seen: list[list[dict[str, str]]] = []  # every prompt, for assertions
+
+    def init_state(self) -> ScriptedLlmState:
+        return ScriptedLlmState()
+
+    def step(self, state: ScriptedLlmState, chunk: FakeLlmStep) -> tuple[FakeLlmOutput, ScriptedLlmState]:
+        if chunk.messages is not None:
+            msgs = [dict(m) for m in chunk.messages]
+            self.seen.append(msgs)
+            state = ScriptedLlmState(msgs, self.reply_fn(msgs).split(), 0, state.prompts + 1)
+        words = state.reply[state.pos : state.pos + chunk.max_tokens]
+        pos = state.pos + len(words)
+        text = "".join((" " if (state.pos + i) else "") + w for i, w in enumerate(words))
+        new = ScriptedLlmState(state.context, state.reply, pos, state.prompts)
+        return FakeLlmOutput(text, pos >= len(state.reply), len(words)), new
+
+
+@dataclass(frozen=True)
+class FakeTtsInput:
+    text: str
+    final: bool
+
+
+@dataclass(frozen=True)
+class FakeTtsChunk:
+    audio: np.ndarray
+    text: str
+
+
+@dataclass
+class ToneTtsState:
+    pending: str = ""
+
+
+class ToneTts(SequentialBatchMixin[ToneTtsState, FakeTtsInput, list[FakeTtsChunk]]):
+    """Speaks each complete word as a tone at 24 kHz, one chunk per word."""
+
+    kind = "tts"
+
+    def init_state(self) -> ToneTtsState:
+        return ToneTtsState()
+
+    def step(self, state: ToneTtsState, chunk: FakeTtsInput) -> tuple[list[FakeTtsChunk], ToneTtsState]:
+        text = state.pending + chunk.text
+        if chunk.final:
+            ready, rest = text, ""
+        else:
+            cut = text.rfind(" ")
+            ready, rest = (text[:cut], text[cut:]) if cut >= 0 else ("", text)
+        chunks = [FakeTtsChunk(tone_speech(w, OUT_SR), w) for w in ready.split() if w in VOCAB]
+        return chunks, ToneTtsState(rest)
+
+
+def scripted_answer(history: list[dict[str, str]]) -> str:
+    """A reply function for ScriptedLlm: Paris for capitals, a long story on request, else small talk."""
+    last = history[-1]["content"]
+    if "capital" in last:
+        return "paris is the capital of france"
+    if "two plus two" in last:
+        return "two plus two is four"
+    if "story" in last:
+        return "once upon a time there was a cat and it was very very good " * 4
+    return "i am fine thanks"
+
+
+def fake_stages(reply_fn: Callable[[list[dict[str, str]]], str]) -> Stages:
+    """The tiny deterministic stage set used by the session-core tests."""
+    return Stages(
+        vad=EnergyVad(),
+        asr=ToneAsr(),
+        llm=ScriptedLlm(reply_fn),
+        tts=ToneTts(),
+        asr_chunk=FakeAsrChunk,
+        llm_step=FakeLlmStep,
+        tts_input=FakeTtsInput,
+    )
+
+
+# -- learned turn-taking, scripted ------------------------------------------------------------
+
+#: words that end a complete thought in tone speech (the scripted turn head's rule)
+FINAL_WORDS = frozenset("france paris you four story good fine thanks hello time cat".split())
+#: what a listener says without taking the turn (tone speech has "yes")
+BACKCHANNEL_WORDS = frozenset({"yes"})
+
+
+def scripted_turn(text: str) -> tuple[float, float, float]:
+    """P(listen, backchannel, speak): complete if the last word ends a thought; a long turn that
+    stops after "and" invites a backchannel; anything else is mid-sentence."""
+    words = text.lower().split()
+    if words and words[-1] in FINAL_WORDS:
+        return (0.05, 0.05, 0.9)
+    if len(words) >= 6 and words[-1] == "and":
+        return (0.2, 0.7, 0.1)
+    return (0.9, 0.05, 0.05)
+
+
+def scripted_overlap(text: str) -> float:
+    """P(interruption) of speech heard while the service spoke."""
+    words = text.lower().split()
+    return 0.05 if words and all(w in BACKCHANNEL_WORDS for w in words) else 0.95
+
+
+@dataclass(frozen=True)
+class FakeListenStep:
+    messages: list[dict[str, str]]
+    text: str
+    prefill_slow: bool = True
+    preclose: bool | None = None
+
+
+@dataclass(frozen=True)
+class FakeOverlapStep:
+    text: str
+
+
+@dataclass(frozen=True)
+class FakeRespondStep:
+    messages: list[dict[str, str]] | None
+    max_tokens: int
+    relay: bool = True
+
+
+@dataclass(frozen=True)
+class FakeListenOutput:
+    probs: tuple[float, float, float]
+
+
+@dataclass(frozen=True)
+class FakeOverlapOutput:
+    p_interrupt: float
+    interrupt: bool
+
+
+class ScriptedTurnLlm(ScriptedLlm):
+    """ScriptedLlm that also listens (scripted turn head) and classifies overlapping speech."""
+
+    def __init__(
+        self,
+        reply_fn: Callable[[list[dict[str, str]]], str],
+        turn_fn: Callable[[str], tuple[float, float, float]] = scripted_turn,
+        overlap_fn: Callable[[str], float] = scripted_overlap,
+    ) -> None:
+        super().__init__(reply_fn)
+        self.turn_fn = turn_fn
+        self.overlap_fn = overlap_fn
+        self.listened: list[str] = []  # every text the turn head saw, in order
+        self.relays: list[bool] = []  # the relay flag of every answer
+
+    def step(self, state: ScriptedLlmState, chunk: Any) -> tuple[Any, ScriptedLlmState]:
+        if isinstance(chunk, FakeListenStep):
+            self.listened.append(chunk.text)
+            return FakeListenOutput(self.turn_fn(chunk.text)), state
+        if isinstance(chunk, FakeOverlapStep):
+            p = self.overlap_fn(chunk.text)
+            return FakeOverlapOutput(p, p >= 0.5), state
+        if isinstance(chunk, FakeRespondStep) and chunk.messages is not None:
+            self.relays.append(chunk.relay)
+        return super().step(state, FakeLlmStep(chunk.messages, chunk.max_tokens))
+
+
+def fake_turn_stages(
+    reply_fn: Callable[[list[dict[str, str]]], str],
+    turn_fn: Callable[[str], tuple[float, float, float]] = scripted_turn,
+    overlap_fn: Callable[[str], float] = scripted_overlap,
+    asr: ToneAsr | None = None,
+) -> Stages:
+    """fake_stages with learned turn-taking switched on (scripted heads)."""
+    return Stages(
+        vad=EnergyVad(),
+        asr=asr or ToneAsr(),
+        llm=ScriptedTurnLlm(reply_fn, turn_fn, overlap_fn),
+        tts=ToneTts(),
+        asr_chunk=FakeAsrChunk,
+        llm_step=FakeLlmStep,
+        tts_input=FakeTtsInput,
+        listen_step=FakeListenStep,
+        overlap_step=FakeOverlapStep,
+        respond_step=FakeRespondStep,
+        speak_threshold=0.5,
+        backchannel_threshold=0.5,
+        backchannel_text="yes",
+    )
+
+
+# -- replay ------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class Timed:
+    t: float
+    item: Any  # a ServerEvent or bytes (a PCM16 audio frame)
+
+
+@dataclass
+class ReplayResult:
+    outputs: list[Timed]
+    core: SessionCore
+
+    def events(self, type_: str | None = None) -> list[Any]:
+        return [o.item for o in self.outputs if not isinstance(o.item, bytes) and (type_ is None or o.item.type == type_)]
+
+    def audio_frames(self) -> list[Timed]:
+        return [o for o in self.outputs if isinstance(o.item, bytes)]
+
+    def audio(self, t0: float = 0.0, t1: float = float("inf")) -> np.ndarray:
+        frames = [np.frombuffer(o.item, dtype="<i2") for o in self.audio_frames() if t0 <= o.t < t1]
+        if not frames:
+            return np.zeros(0, dtype=np.float32)
+        return np.concatenate(frames).astype(np.float32) / 32767.0
+
+
+def replay(
+    core: SessionCore,
+    clock: FakeClock,
+    audio: np.ndarray,
+    costs: dict[str, float] | None = None,
+    frame_seconds: float = 0.02,
+    tail_seconds: float = 3.0,
+    controls: Sequence[tuple[float, dict[str, Any]]] = (),
+) -> ReplayResult:
+    """Feed `audio` (16 kHz) in real-time frames on the fake clock; jobs take `costs[label]` s.
+
+    Stage jobs run when their simulated compute time has elapsed (unlimited parallelism, so
+    the outcome depends only on the costs). Returns every output with its time.
+    """
+    costs = costs or {}
+    frame = int(SR * frame_seconds)
+    n_frames = (len(audio) + frame - 1) // frame
+    end_t = n_frames * frame_seconds + tail_seconds
+    seq = itertools.count()
+    queue: list[tuple[float, int, str, Any]] = []
+    for i in range(n_frames):
+        heapq.heappush(queue, (i * frame_seconds, next(seq), "audio", audio[i * frame : (i + 1) * frame]))
+    for t, ev in controls:
+        heapq.heappush(queue, (t, next(seq), "control", ev))
+    outputs: list[Timed] = []
+    stage_by_name = {"vad": core.stages.vad, "asr": core.stages.asr, "llm": core.stages.llm, "tts": core.stages.tts}
+    wake_pending: set[float] = set()
+
+    def flush() -> None:
+        for job in core.take_jobs():
+            heapq.heappush(queue, (clock.t + costs.get(job.label, 0.001), next(seq), "job", job))
+        for item in core.take_outputs():
+            outputs.append(Timed(clock.t, item))
+        wake = core.next_wakeup()
+        if wake is not None and wake not in wake_pending:
+            wake_pending.add(wake)
+            heapq.heappush(queue, (max(wake, clock.t), next(seq), "tick", wake))
+
+    while queue:
+        t, _, kind, payload = heapq.heappop(queue)
+        if t > end_t:
+            break
+        clock.t = max(clock.t, t)
+        if kind == "audio":
+            core.receive_audio(payload)
+        elif kind == "control":
+            core.receive_control(payload)
+        elif kind == "job":
+            job: Job = payload
+            try:
+                out, state = stage_by_name[job.stage].step(job.state, job.chunk)
+            except Exception as exc:  # a failing fake stage is part of what tests check
+                core.on_failure(job, exc)
+            else:
+                core.on_result(job, out, state)
+        else:
+            wake_pending.discard(payload)
+        core.tick()
+        flush()
+    return ReplayResult(outputs, core)

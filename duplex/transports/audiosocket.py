@@ -1,0 +1,433 @@
+"""Asterisk AudioSocket gateway: one TCP connection from Asterisk = one call = one session.
+
+Asterisk connects *out* to us (dialplan `AudioSocket(uuid,host:port)` or `Dial(AudioSocket/...)`)
+and both sides exchange messages of `type (1 byte) | payload length (uint16, big endian) | payload`:
+
+    0x00 hangup (no payload)          0x01 call UUID (16 bytes, always first)
+    0x03 DTMF digit (1 ASCII byte)    0x10 audio: signed 16-bit little-endian PCM, 8 kHz mono
+    0x11..0x18 audio at 12/16/24/32/44.1/48/96/192 kHz (newer Asterisk, channel driver only)
+    0xff error (optional code from Asterisk, bit-packed)
+
+This module is a transport adapter like `duplex.transports.native`: it converts wire audio into session-core
+input and the core's 24 kHz output into 20 ms AudioSocket frames, and holds no dialogue logic.
+The protocol has no authentication, so bind to a private address and, where possible, accept only
+the call UUIDs the dialplan uses (`allowed_uuids`). It also has no "clear": Asterisk writes every
+audio frame to the channel as it arrives, so on barge-in we can only stop sending; what is already
+on its way (the core's ~120 ms lead plus the socket) still plays. See docs/audiosocket.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Callable, Collection
+
+from duplex.core.events import DtmfReceived, Interrupted, ResponseDone, ServerEvent, SessionStarted
+from duplex.runtime.runner import Output, SessionRunner
+from duplex.runtime.service import CapacityError, DuplexService
+from duplex.transports.common import AudioIn, AudioOut, open_session
+
+log = logging.getLogger("duplex.transports.audiosocket")
+
+KIND_HANGUP = 0x00
+KIND_UUID = 0x01
+KIND_DTMF = 0x03
+KIND_AUDIO = 0x10  # slin, 8 kHz: what the AudioSocket() dialplan application always uses
+KIND_ERROR = 0xFF
+#: audio message types -> sample rate (0x11.. only in recent Asterisk releases, channel driver only)
+AUDIO_KINDS = {0x10: 8000, 0x11: 12000, 0x12: 16000, 0x13: 24000, 0x14: 32000, 0x15: 44100, 0x16: 48000,
+               0x17: 96000, 0x18: 192000}
+DEFAULT_RATE = 8000
+CORE_RATE = 24000  # the session core's output rate
+FRAME_MS = 20  # Asterisk's own frame size; we send exactly this much per audio message
+#: Asterisk's bit-packed error codes (res_audiosocket)
+ASTERISK_ERRORS = {0x01: "hangup of calling party", 0x02: "frame forwarding error", 0x04: "memory error"}
+DTMF_DIGITS = frozenset("0123456789*#ABCD")
+
+# Limits. Module constants rather than arguments: tests shorten them with monkeypatch.
+UUID_TIMEOUT_S = 5.0  # Asterisk sends the UUID immediately after connecting
+MAX_AUDIO_MS = 500  # an audio message longer than this is not Asterisk (it sends 20 ms): drop the call
+DRAIN_TIMEOUT_S = 5.0  # a peer that reads nothing for this long is stuck: drop the call
+WRITE_BUFFER_BYTES = 16 * 1024  # ~0.5 s of 8 kHz audio queued in asyncio before `send` waits
+SEND_BUFFER_BYTES = 32 * 1024  # kernel send buffer: real-time audio queued further is stale anyway
+MAX_WARNINGS = 10  # per call, so a peer sending garbage cannot flood the log
+CLOSE_GRACE_S = 2.0  # close(): how long calls get to end before their handlers are cancelled
+
+
+class EndCall(Exception):
+    """Ends one call. `hang_up`: tell Asterisk with a 0x00 message (not when the peer ended it)."""
+
+    def __init__(self, reason: str, hang_up: bool = True) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.hang_up = hang_up
+
+
+class PeerStuck(ConnectionError):
+    """The peer stopped reading: our bounded write path could not drain in time."""
+
+
+def encode(kind: int, payload: bytes = b"") -> bytes:
+    """One AudioSocket message."""
+    return bytes((kind,)) + len(payload).to_bytes(2, "big") + payload
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only accepts connections from this machine (so no allow-list is needed)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname or '' (all interfaces): assume reachable from the network
+
+
+class AudioSocketServer:
+    """Accepts Asterisk AudioSocket calls for a `DuplexService`.
+
+    `allowed_uuids`: the call UUIDs to accept (None: any; an empty collection refuses every call).
+    `on_event`: called with every server event of every call (the events carry the session id;
+    `calls` maps session ids to call UUIDs), e.g. to log DTMF or to react to it.
+    """
+
+    def __init__(
+        self,
+        service: DuplexService,
+        host: str = "127.0.0.1",
+        port: int = 9092,
+        *,
+        allowed_uuids: Collection[uuid.UUID] | None = None,
+        on_event: Callable[[ServerEvent], None] | None = None,
+    ) -> None:
+        self.service = service
+        self.host = host
+        self._port = port
+        self.allowed_uuids = None if allowed_uuids is None else frozenset(uuid.UUID(str(u)) for u in allowed_uuids)
+        self.on_event = on_event
+        self._server: asyncio.Server | None = None
+        self._calls: dict[asyncio.Task[None], _Call] = {}
+        self._closing = False
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, self.host, self._port)
+        if self.allowed_uuids is None and not is_loopback(self.host):
+            log.warning(
+                "AudioSocket on %s:%d accepts ANY call UUID and has no authentication: anyone who can reach "
+                "this port gets a session. Bind to a private address and pass --audiosocket-uuid.",
+                self.host, self.port,
+            )
+        log.info("AudioSocket listening on %s:%d", self.host, self.port)
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with port 0)."""
+        if self._server is None:
+            return self._port
+        return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def calls(self) -> dict[str, uuid.UUID]:
+        """Calls that have a session now: session id -> call UUID."""
+        return {c.session_id: c.call_uuid for c in self._calls.values() if c.session_id and c.call_uuid}
+
+    async def close(self) -> None:
+        """Stop listening and hang up every call (0x00, then close); returns when all sessions are freed."""
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        for call in list(self._calls.values()):
+            call.hang_up("server shutting down")
+        tasks = list(self._calls)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=CLOSE_GRACE_S)
+            for task in pending:  # a peer that does not read cannot take our hangup: cut it off
+                self._calls[task].writer.transport.abort()
+            if pending:
+                _, pending = await asyncio.wait(pending, timeout=CLOSE_GRACE_S)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    def allowed(self, call_uuid: uuid.UUID) -> bool:
+        return self.allowed_uuids is None or call_uuid in self.allowed_uuids
+
+    def publish(self, event: ServerEvent) -> None:
+        """Hand an event to `on_event`; a failing callback must not end the call."""
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(event)
+        except Exception:
+            log.exception("AudioSocket on_event callback failed for %s", event.type)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        call = _Call(self, reader, writer)
+        self._calls[task] = call
+        try:
+            if self._closing:  # accepted just before close(): it would outlive the server
+                call.hang_up("server shutting down")
+                return
+            await call.run()
+        except Exception:  # a bug must end only this call, never the listener
+            log.exception("AudioSocket call from %s failed", call.peer)
+        finally:
+            await call.finish()
+            del self._calls[task]
+
+
+class _Call:
+    """One AudioSocket connection: reads Asterisk's messages, writes the session's audio back."""
+
+    def __init__(self, server: AudioSocketServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.server = server
+        self.reader = reader
+        self.writer = writer
+        self.peer = writer.get_extra_info("peername")
+        self.call_uuid: uuid.UUID | None = None
+        self.session_id = ""
+        self.started = time.monotonic()
+        self.reason = ""  # why the call ended: the first cause wins (an abort also ends the read loop)
+        self.frames_in = 0
+        self.frames_out = 0
+        self.warnings = 0
+        self.rate = DEFAULT_RATE
+        self.kind = KIND_AUDIO
+        self.audio_in = AudioIn(DEFAULT_RATE, "pcm16")
+        self.audio_out = AudioOut(CORE_RATE, DEFAULT_RATE, "pcm16")
+        self.pending = bytearray()  # resampled output not yet a whole 20 ms frame
+        self._tune_socket()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            self.call_uuid = await self._read_uuid()
+            if not self.server.allowed(self.call_uuid):
+                raise EndCall("call UUID not in the allow-list")
+            await self._run_session()
+        except EndCall as end:
+            self._ended(end.reason)
+            if end.hang_up:  # we end it: the peer misbehaved, or is not allowed, or we are full
+                log.warning("AudioSocket call %s from %s: %s; hanging up", self.call_uuid, self.peer, end.reason)
+                self.hang_up(end.reason)
+        except PeerStuck as exc:
+            self._ended(str(exc))
+            self.writer.transport.abort()
+
+    async def _run_session(self) -> None:
+        try:
+            async with open_session(self.server.service, self._send) as runner:
+                self.session_id = runner.core.session_id
+                log.info("AudioSocket call %s from %s: session %s", self.call_uuid, self.peer, self.session_id)
+                await self._serve(runner)
+        except CapacityError as exc:
+            raise EndCall(f"refused: {exc}") from None
+
+    def _ended(self, reason: str) -> None:
+        self.reason = self.reason or reason
+
+    def hang_up(self, reason: str) -> None:
+        """Send Asterisk a hangup and close the connection (it ends the channel on its side)."""
+        if self.writer.is_closing():
+            return
+        self._ended(reason)
+        with contextlib.suppress(Exception):
+            self.writer.write(encode(KIND_HANGUP))
+        self.writer.close()
+
+    async def finish(self) -> None:
+        if not self.writer.is_closing():
+            self.writer.close()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await self.writer.wait_closed()
+        log.info(
+            "AudioSocket call %s (session %s) ended: %s; %d frames in, %d out, %.1f s%s",
+            self.call_uuid, self.session_id or "-", self.reason or "ended", self.frames_in, self.frames_out,
+            time.monotonic() - self.started,
+            f", {self.warnings - MAX_WARNINGS} more warnings not logged" if self.warnings > MAX_WARNINGS else "",
+        )
+
+    def _tune_socket(self) -> None:
+        """Keep buffered output small: audio that waits long in a buffer is stale, and a stuck
+        peer must make `drain` block (and us notice) long before memory grows."""
+        self.writer.transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            with contextlib.suppress(OSError):  # asyncio sets it too; 3-byte headers must not wait for ACKs
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    async def _read_message(self) -> tuple[int, bytes]:
+        """The next message; EndCall when the peer hung up, vanished or broke the framing."""
+        kind, length = await self._read_header()
+        rate = AUDIO_KINDS.get(kind)
+        if rate is not None and length > rate * 2 * MAX_AUDIO_MS // 1000:
+            raise EndCall(f"protocol error: audio message of {length} bytes (> {MAX_AUDIO_MS} ms)")
+        return kind, await self._read_payload(length)
+
+    async def _read_header(self) -> tuple[int, int]:
+        header = await self._read_exactly(3, "peer closed the connection")
+        return header[0], int.from_bytes(header[1:3], "big")
+
+    async def _read_payload(self, length: int) -> bytes:
+        return await self._read_exactly(length, "truncated message") if length else b""
+
+    async def _read_exactly(self, n: int, at_eof: str) -> bytes:
+        try:
+            return await self.reader.readexactly(n)
+        except asyncio.IncompleteReadError as exc:
+            # EOF between messages is a hangup; EOF inside one is a truncated message: a hangup too
+            raise EndCall(at_eof if not exc.partial else "truncated message", False) from None
+        except (ConnectionError, OSError) as exc:
+            raise EndCall(f"connection lost: {exc!r}", False) from None
+
+    async def _read_uuid(self) -> uuid.UUID:
+        """The first message must be the call UUID; its header alone tells (garbage is not waited on)."""
+        try:
+            async with asyncio.timeout(UUID_TIMEOUT_S):
+                kind, length = await self._read_header()
+                if kind == KIND_HANGUP:
+                    raise EndCall("hangup before the call UUID", False)
+                if kind != KIND_UUID:
+                    raise EndCall(f"protocol error: message type 0x{kind:02x} before the call UUID")
+                if length != 16:
+                    raise EndCall(f"protocol error: call UUID of {length} bytes (expected 16)")
+                return uuid.UUID(bytes=await self._read_payload(length))
+        except TimeoutError:
+            raise EndCall(f"no call UUID within {UUID_TIMEOUT_S:g} s") from None
+
+    async def _serve(self, runner: SessionRunner) -> None:
+        """Dispatch messages until the call ends; the session is freed by the caller."""
+        kind, payload = await self._read_message()
+        if kind in AUDIO_KINDS and kind != self.kind:
+            self._set_rate(kind)  # session.started reports the rate Asterisk actually sends
+        self._emit_started(runner)
+        while True:
+            self._dispatch(runner, kind, payload)
+            if runner.failed is not None:
+                raise PeerStuck(f"dropped: {runner.failed}")
+            kind, payload = await self._read_message()
+
+    def _dispatch(self, runner: SessionRunner, kind: int, payload: bytes) -> None:
+        if kind in AUDIO_KINDS:
+            self._on_audio(runner, kind, payload)
+        elif kind == KIND_HANGUP:
+            raise EndCall("peer hung up", False)
+        elif kind == KIND_DTMF:
+            self._on_dtmf(runner, payload)
+        elif kind == KIND_ERROR:
+            self._on_error(payload)
+        elif kind == KIND_UUID:
+            self._warn("a second call UUID message; ignored")
+        else:
+            self._warn(f"unknown message type 0x{kind:02x} ({len(payload)} bytes); skipped")
+
+    def _on_audio(self, runner: SessionRunner, kind: int, payload: bytes) -> None:
+        if kind != self.kind:
+            self._set_rate(kind)
+        if len(payload) % 2:
+            self._warn(f"audio message of {len(payload)} bytes: PCM16 needs an even byte count; dropped")
+            return
+        if not payload:
+            return
+        self.frames_in += 1
+        runner.feed_audio(self.audio_in.decode(payload))
+
+    def _set_rate(self, kind: int) -> None:
+        """Audio at another rate (the channel driver uses the channel's slin format): follow it."""
+        rate = AUDIO_KINDS[kind]
+        if self.frames_in:
+            log.info("AudioSocket call %s: audio rate changed %d -> %d Hz", self.call_uuid, self.rate, rate)
+        self.kind, self.rate = kind, rate
+        self.audio_in = AudioIn(rate, "pcm16")
+        self.audio_out = AudioOut(CORE_RATE, rate, "pcm16")
+        self.pending.clear()
+
+    def _on_dtmf(self, runner: SessionRunner, payload: bytes) -> None:
+        digit = payload.decode("ascii", "replace").upper() if len(payload) == 1 else ""
+        if digit not in DTMF_DIGITS:
+            self._warn(f"bad DTMF payload {payload[:8]!r}; ignored")
+            return
+        core = runner.core
+        log.info("AudioSocket call %s (session %s): DTMF %s", self.call_uuid, self.session_id, digit)
+        runner.emit(DtmfReceived(session_id=core.session_id, turn_id=core.turn_id, t=core.clock(),
+                                 digit=digit, source="audiosocket"))
+
+    def _on_error(self, payload: bytes) -> None:
+        if not payload:
+            log.warning("AudioSocket call %s: Asterisk reported an error (no code)", self.call_uuid)
+            return
+        code = payload[0]
+        names = [name for bit, name in ASTERISK_ERRORS.items() if code & bit] or ["unknown"]
+        log.warning("AudioSocket call %s: Asterisk reported error 0x%02x (%s)", self.call_uuid, code, ", ".join(names))
+
+    def _warn(self, message: str) -> None:
+        self.warnings += 1
+        if self.warnings <= MAX_WARNINGS:
+            log.warning("AudioSocket call %s: %s", self.call_uuid, message)
+
+    def _emit_started(self, runner: SessionRunner) -> None:
+        core = runner.core
+        runner.emit(SessionStarted(
+            session_id=core.session_id, turn_id=0, t=core.clock(), input_sample_rate=self.rate,
+            output_sample_rate=self.rate, profile=self.server.service.profile.name,
+            options={k: getattr(core.options, k) for k in core.options.CLIENT_SETTABLE},
+        ))
+
+    # -- writing (called by the runner's writer task, in output order) -----------------------
+
+    async def _send(self, item: Output) -> None:
+        if isinstance(item, bytes):
+            self.pending += self.audio_out.encode(item)
+            await self._write_frames(whole=True)
+            return
+        if isinstance(item, Interrupted):
+            # AudioSocket has no "clear": stop sending, and never let the old answer's tail leak
+            self._reset_output()
+        elif isinstance(item, ResponseDone):
+            if item.status == "completed":
+                await self._write_frames(whole=False)  # the answer's last few ms, padded to a frame
+            self._reset_output()
+        log.debug("AudioSocket call %s: %s", self.call_uuid, item.type)
+        self.server.publish(item)
+
+    def _reset_output(self) -> None:
+        self.pending.clear()
+        self.audio_out.reset()
+
+    async def _write_frames(self, whole: bool) -> None:
+        """Send `pending` as exact 20 ms frames (a partial last one is zero-padded unless `whole`)."""
+        size = self.rate * FRAME_MS // 1000 * 2
+        if not whole and len(self.pending) % size:
+            self.pending += bytes(size - len(self.pending) % size)
+        n = len(self.pending) // size
+        if n == 0 or self.writer.is_closing():
+            return
+        data = b"".join(encode(self.kind, bytes(self.pending[i * size : (i + 1) * size])) for i in range(n))
+        del self.pending[: n * size]
+        self.writer.write(data)
+        self.frames_out += n
+        try:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands as drain()
+            # completes, and the runner's close() would then wait forever for its writer task
+            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                await self.writer.drain()
+        except TimeoutError:
+            log.warning("AudioSocket call %s: peer has not read for %.1f s; dropping it", self.call_uuid, DRAIN_TIMEOUT_S)
+            self._ended("peer stopped reading")
+            self.writer.transport.abort()  # ends the read loop too; the session is freed there
+            raise PeerStuck("peer stopped reading") from None
