@@ -13,8 +13,8 @@ def _serve(args: argparse.Namespace) -> int:
     import uuid
 
     from duplex.base.config import ConfigError
-    from duplex.runtime.gateway import GatewaySettings, parse_host_port, run_gateway
     from duplex.runtime.service import DuplexService, ServiceLimits
+    from duplex.transports.gateway import GatewaySettings, parse_host_port, run_gateway
     from duplex.transports.native import ServerSettings
 
     audiosocket = None
@@ -78,7 +78,7 @@ def _bench(args: argparse.Namespace) -> int:
         from duplex.bench.asr import run as bench_asr
 
         return bench_asr(args)
-    from duplex.bench.serve import main as bench_main
+    from duplex.bench.cli import main as bench_main
 
     return bench_main(args)
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from duplex.runtime.gateway import Gateway, GatewaySettings
 from duplex.runtime.service import DuplexService, ServiceLimits
+from duplex.transports.gateway import Gateway, GatewaySettings
 from duplex.transports.native import DuplexServer, ServerSettings
 
 

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from duplex.base.config import load_profile
-from duplex.bench.serve import BenchError, format_table, percentiles, run_bench, trim_speech
+from duplex.bench.common import BenchError, percentiles, trim_speech
+from duplex.bench.report import format_table
+from duplex.bench.serve import run_bench
 from duplex.runtime.service import DuplexService
 from duplex.testing.fakes import VOCAB, fake_stages, scripted_answer, tone_speech
 from duplex.transports.native import DuplexServer, ServerSettings
@@ -98,7 +100,7 @@ async def test_bench_against_tone_server(server, tmp_path) -> None:
 
 
 def test_count_leaks_counts_frames_between_interrupt_and_next_answer() -> None:
-    from duplex.bench.serve import Rx, count_leaks
+    from duplex.bench.common import Rx, count_leaks
 
     log = [Rx(0.0, {"type": "response.audio.started"}), Rx(0.1, None, 0.04),
            Rx(0.2, {"type": "response.interrupted"}), Rx(0.3, None, 0.04), Rx(0.35, None, 0.04),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from duplex.base.config import load_profile
-from duplex.bench.serve import InProcessServer, main
+from duplex.bench.cli import main
+from duplex.bench.common import InProcessServer
 from duplex.bench.transport import format_transport_table, run_transport_bench
 from duplex.cli import build_parser
 from duplex.runtime.service import DuplexService

@@ -18,7 +18,7 @@ def test_heard_variants_keep_label_and_group_and_skip_what_the_head_cannot_tell_
     ]
     heard = {"What a thing to": "What a thing, too.", "What is the capital of France?": "what is the capital of france",
              "stop": "Stop."}
-    out = H.heard_variants(examples, heard)
+    out = D.heard_variants(examples, heard)
     # only a transcript with other words is new to the head (it sees no punctuation; case aside)
     assert [(e["text"], e["label"], e["group"], e["kind"], e["heard_from"]) for e in out] == [
         ("What a thing, too.", 0, "g1", "cut+heard", "What a thing to")]
@@ -34,14 +34,14 @@ def test_voices_are_a_pure_function_of_the_text():
 
 def test_read_heard_resumes_from_the_file(tmp_path):
     path = tmp_path / "heard.jsonl"
-    assert H.read_heard(path) == {}
+    assert D.read_heard(path) == {}
     path.write_text(json.dumps({"text": "a", "heard": "A.", "voice": "hibari"}) + "\n\n")
-    assert H.read_heard(path) == {"a": "A."}
+    assert D.read_heard(path) == {"a": "A."}
     assert H.transcribe_all(["a"], path=path) == 0  # nothing left to do: no model is loaded
 
 
 def test_shipped_transcripts_cover_the_turn_examples():
-    heard = H.read_heard()
+    heard = D.read_heard()
     typed = {e["text"]: e for e in D.build_examples(progress=False, heard=False) if e["head"] == "turn"}
     texts = set(typed)
     assert heard, "data/dialogue/turn_heard.jsonl is missing: python -m dialogue.training.heard_turns"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from dialogue.training import relay_features as RF
 from dialogue.training import relay_labels as RL
 from dialogue.training import train_verifier as TV
 from tests.test_engine import SYSTEM, tiny
@@ -31,7 +32,7 @@ def test_the_relay_answer_is_the_prefix_then_the_slow_models_greedy_continuation
     model = tiny("qwen2", len(tokenizer), 5)
     with torch.no_grad():
         model.lm_head.weight.mul_(10.0)  # decisive logits: greedy is stable under int rounding
-    warm = TV.WarmModel(model, tokenizer, SYSTEM, "tiny")
+    warm = RF.WarmModel(model, tokenizer, SYSTEM, "tiny")
     ids = TV.V.chat_ids(tokenizer, SYSTEM, [], "what is the capital of france")
     prefix = "the capital"
     answer = RL.relay_answer(warm, ids, prefix, max_tokens=10)

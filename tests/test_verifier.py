@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from dialogue import verifier as V
+from dialogue.training import relay_metrics as RM
+from dialogue.training import relay_prompts as RP
 from dialogue.training import train_verifier as T
 from dialogue.verifier import (
     DEFAULT_WEIGHTS,
@@ -173,18 +175,18 @@ def test_focal_loss_sanity() -> None:
     y = torch.tensor([1, 0, 0, 1])
     bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, y.float())
     # gamma 0 and alpha 0.5: half the cross-entropy
-    assert T.focal_loss(logits, y, alpha=0.5, gamma=0.0) == pytest.approx(0.5 * float(bce), rel=1e-5)
+    assert RM.focal_loss(logits, y, alpha=0.5, gamma=0.0) == pytest.approx(0.5 * float(bce), rel=1e-5)
     # focusing shrinks the loss, and most for the easy (confident, correct) examples
-    easy = T.focal_loss(torch.tensor([4.0]), torch.tensor([1]), 0.5, 2.0) / T.focal_loss(
+    easy = RM.focal_loss(torch.tensor([4.0]), torch.tensor([1]), 0.5, 2.0) / RM.focal_loss(
         torch.tensor([4.0]), torch.tensor([1]), 0.5, 0.0
     )
-    hard = T.focal_loss(torch.tensor([-1.0]), torch.tensor([1]), 0.5, 2.0) / T.focal_loss(
+    hard = RM.focal_loss(torch.tensor([-1.0]), torch.tensor([1]), 0.5, 2.0) / RM.focal_loss(
         torch.tensor([-1.0]), torch.tensor([1]), 0.5, 0.0
     )
     assert easy < 0.001 < 0.5 < hard
     # gradient pushes logits toward the label
     x = logits.clone().requires_grad_()
-    T.focal_loss(x, y).backward()
+    RM.focal_loss(x, y).backward()
     assert (x.grad[y == 1] < 0).all() and (x.grad[y == 0] > 0).all()
 
 
@@ -194,11 +196,11 @@ def test_auroc_and_threshold() -> None:
     y = [int(rng.random() < 0.4) for _ in range(60)]
     pairs = [(a, b) for a, ya in zip(s, y, strict=True) if ya for b, yb in zip(s, y, strict=True) if not yb]
     brute = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in pairs) / len(pairs)
-    assert T.auroc(s, y) == pytest.approx(brute)
-    assert T.auroc([0.1, 0.1, 0.1], [0, 1, 0]) == pytest.approx(0.5)
-    assert math.isnan(T.auroc([0.2, 0.3], [1, 1]))
-    thr = T.tune_threshold([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1])
-    assert 0.2 < thr < 0.8 and T.classify_metrics([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1], thr)["macro_f1"] == 1.0
+    assert RM.auroc(s, y) == pytest.approx(brute)
+    assert RM.auroc([0.1, 0.1, 0.1], [0, 1, 0]) == pytest.approx(0.5)
+    assert math.isnan(RM.auroc([0.2, 0.3], [1, 1]))
+    thr = RM.tune_threshold([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1])
+    assert 0.2 < thr < 0.8 and RM.classify_metrics([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1], thr)["macro_f1"] == 1.0
 
 
 def test_commit_threshold_commits_the_asked_share() -> None:
@@ -286,7 +288,7 @@ def test_tiny_training_separates_a_separable_set() -> None:
     cfg = T.TrainConfig(dim=16, head_dim=16, epochs=40, patience=15, batch=64, seed=0)
     model, info = T.train_verifier(tr, ytr, va, yva, cfg)
     assert info["best_val_auroc"] > 0.95
-    assert T.auroc(T.predict(model, te), yte) > 0.95
+    assert RM.auroc(T.predict(model, te), yte) > 0.95
 
 
 # -- labels -----------------------------------------------------------------------------------------------
@@ -304,7 +306,7 @@ def test_forced_negatives() -> None:
     assert T.forced_negative({"prefix": "The lowest army rank of", "text": army}) is None
     assert T.forced_negative({"prefix": "Remind me to take my", "text": "Remind me to take my pills"}) == "echo"
     assert T.forced_negative({"prefix": "Caf\u00e9 au lait is", "text": "what is cafe au lait"}) is None
-    assert T.normalise_asr_text(' Hello, "world"!  I\'m  here.') == "Hello world I'm here"
+    assert RP.normalise_asr_text(' Hello, "world"!  I\'m  here.') == "Hello world I'm here"
 
 
 def test_labels_accept_the_slow_models_own_opening_or_typical_tokens() -> None:
@@ -335,7 +337,7 @@ def test_labels_accept_the_slow_models_own_opening_or_typical_tokens() -> None:
 
 def test_split_keeps_groups_together() -> None:
     ex = [{"group": f"g{i // 3}"} for i in range(300)]
-    splits = T.split_groups(ex, seed=0)
+    splits = RP.split_groups(ex, seed=0)
     seen: dict[str, str] = {}
     for name, idx in splits.items():
         for i in idx:

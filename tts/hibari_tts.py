@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asr.vad import ModelError
 from duplex.base.config import ComponentConfig, ConfigError
+from duplex.base.errors import ModelError
 from duplex.base.phrases import PhraseSegmenter, PhraseState
 from duplex.base.stage import SequentialBatchMixin
 

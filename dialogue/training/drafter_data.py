@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from dialogue import verifier as V
-from dialogue.training import train_verifier as TV
+from dialogue.training import relay_features as RF
+from dialogue.training import relay_prompts as RP
 from duplex.base.paths import DATA_ROOT
 
 DATA_DIR = DATA_ROOT / "dialogue"
@@ -128,7 +129,7 @@ EXTRA_TEMPLATES: list[tuple[str, dict[str, list[str]]]] = [
 class DraftPrompt:
     """A user turn, where it comes from, and which split it belongs to."""
 
-    prompt: TV.Prompt
+    prompt: RP.Prompt
     split: str  # train | val | heldout
 
     @property
@@ -136,12 +137,12 @@ class DraftPrompt:
         return prompt_key(self.prompt)
 
 
-def prompt_key(p: TV.Prompt) -> str:
+def prompt_key(p: RP.Prompt) -> str:
     """Identity of a prompt: its history and text."""
     return hashlib.sha256(json.dumps([list(p.history), p.text]).encode()).hexdigest()[:20]
 
 
-def _assistant_lines_as_turns(train_groups: set[str]) -> list[TV.Prompt]:
+def _assistant_lines_as_turns(train_groups: set[str]) -> list[RP.Prompt]:
     """chatterbot assistant lines of train-split conversations, said back as user turns (no history)."""
     import importlib.util
 
@@ -159,13 +160,13 @@ def _assistant_lines_as_turns(train_groups: set[str]) -> list[TV.Prompt]:
             if group not in train_groups:
                 continue
             for k in range(1, len(utts), 2):
-                text = TV.normalise_asr_text(str(utts[k]))
+                text = RP.normalise_asr_text(str(utts[k]))
                 if 2 <= len(text.split()) <= 25 and not V.is_markup(str(utts[k])):
-                    out.append(TV.Prompt(group, "chatterbot-reply", (), text))
+                    out.append(RP.Prompt(group, "chatterbot-reply", (), text))
     return out
 
 
-def _generated_lines() -> list[TV.Prompt]:
+def _generated_lines() -> list[RP.Prompt]:
     """The caller lines the turn-taking data generated (data/dialogue/turn_generated.jsonl)."""
     path = DATA_DIR / "turn_generated.jsonl"
     out = []
@@ -174,9 +175,9 @@ def _generated_lines() -> list[TV.Prompt]:
     for i, line in enumerate(path.read_text().splitlines()):
         row = json.loads(line)
         if row.get("finished") and row.get("text"):
-            text = TV.normalise_asr_text(row["text"])
+            text = RP.normalise_asr_text(row["text"])
             if 2 <= len(text.split()) <= 30:
-                out.append(TV.Prompt(f"gen:{i}", "generated", (), text))
+                out.append(RP.Prompt(f"gen:{i}", "generated", (), text))
     return out
 
 
@@ -196,8 +197,8 @@ def drafter_prompts(seed: int = 0, multi: bool = True) -> list[DraftPrompt]:
 
     With `multi`, the conversations of `multi_turn_prompts` too (built from the answered prompts).
     """
-    base = TV.all_prompts(TV.DATA_SEED)
-    splits = TV.split_groups([{"group": p.group} for p in base], seed)
+    base = RP.all_prompts(RP.DATA_SEED)
+    splits = RP.split_groups([{"group": p.group} for p in base], seed)
     out: dict[str, DraftPrompt] = {}
     group_split = {}
     for split, idx in splits.items():
@@ -207,10 +208,10 @@ def drafter_prompts(seed: int = 0, multi: bool = True) -> list[DraftPrompt]:
             group_split[base[i].group] = split
     train_groups = {g for g, s in group_split.items() if s == "train"}
     train_families = sorted(int(g.split(":")[1]) for g in train_groups if g.startswith("tpl:"))
-    extra = (TV.fill_templates(TV.TEMPLATES, train_families, MORE_FILLS, seed + 1, source="tpl")
+    extra = (RP.fill_templates(RP.TEMPLATES, train_families, MORE_FILLS, seed + 1, source="tpl")
              + _assistant_lines_as_turns(train_groups)
              + _generated_lines()
-             + TV.fill_templates(EXTRA_TEMPLATES, range(len(EXTRA_TEMPLATES)), 40, seed + 2, "extra", "extra"))
+             + RP.fill_templates(EXTRA_TEMPLATES, range(len(EXTRA_TEMPLATES)), 40, seed + 2, "extra", "extra"))
     heldout_texts = {dp.prompt.text.lower() for dp in out.values() if dp.split != "train"}
     for p in extra:
         dp = DraftPrompt(p, "train")
@@ -270,8 +271,8 @@ def load_slow_model(progress: bool = True) -> tuple[Any, str]:
 
     llm = load_profile("cpu").component("llm")
     system = str(llm.options.get("system_prompt", "")).strip()
-    model, tok = llm_weights.load(llm, TV.DTYPE, progress=progress)
-    return TV.WarmModel(model, tok, system, str(dict(llm.weights).get("name", "llm"))), system
+    model, tok = llm_weights.load(llm, RF.DTYPE, progress=progress)
+    return RF.WarmModel(model, tok, system, str(dict(llm.weights).get("name", "llm"))), system
 
 
 def generate_targets(prompts: Sequence[DraftPrompt], path: Path = TARGETS_FILE, progress: bool = True,
@@ -292,7 +293,7 @@ def generate_targets(prompts: Sequence[DraftPrompt], path: Path = TARGETS_FILE, 
     with path.open("a") as f:
         for dp in tqdm(todo, desc="slow-model answers", disable=not progress, smoothing=0.05):
             p = dp.prompt
-            ids = TV.V.chat_ids(tok, system, p.messages(), p.text)
+            ids = V.chat_ids(tok, system, p.messages(), p.text)
             toks, ended = slow_answer(slow, ids)
             row = {"key": dp.key, "split": dp.split, "group": p.group, "source": p.source,
                    "history": [list(h) for h in p.history], "text": p.text,

@@ -24,29 +24,16 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from duplex.base.paths import DATA_ROOT
+from dialogue.training import turn_data as D
+from dialogue.training.turn_data import HEARD_FILE, read_heard
 
-HEARD_FILE = DATA_ROOT / "dialogue" / "turn_heard.jsonl"
-HEARD_KIND = "+heard"  # suffix of a heard example's kind
 SPLIT_ORDER = ("val", "heldout", "train")  # validation first: the thresholds are tuned there
-
-
-def read_heard(path: Path = HEARD_FILE) -> dict[str, str]:
-    """text -> what the ASR heard (empty if the file is missing)."""
-    if not path.is_file():
-        return {}
-    out: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            out[str(row["text"])] = str(row["heard"])
-    return out
 
 
 def _voice_rng(text: str, seed: int) -> np.random.Generator:
@@ -63,29 +50,6 @@ def voice_for(text: str, seed: int = 0) -> Any:
     if rng.random() < 0.7:
         return VoiceSpec("hibari", speed=float(rng.uniform(0.9, 1.15)))
     return random_voice(rng, easy=True)
-
-
-def heard_variants(examples: Iterable[Mapping[str, Any]], heard: Mapping[str, str]) -> list[dict[str, Any]]:
-    """For each turn-head example whose transcript differs from its text (beyond punctuation and
-    case, which the head does not see), the transcript as an example of the same label and group."""
-    from dialogue.turn_taking import normalize_user_text
-
-    out = []
-    for ex in examples:
-        if ex.get("head", "turn") != "turn":
-            continue
-        h = heard.get(str(ex["text"]))
-        if not h or not h.strip():
-            continue
-        if normalize_user_text(h).lower() == normalize_user_text(str(ex["text"])).lower():
-            continue
-        out.append(dict(ex) | {"text": h, "kind": f"{ex.get('kind', '')}{HEARD_KIND}", "heard_from": ex["text"]})
-    return out
-
-
-def is_heard(example: Mapping[str, Any]) -> bool:
-    """An example made by `heard_variants` (the ASR's transcript of another example's text)."""
-    return str(example.get("kind", "")).endswith(HEARD_KIND)
 
 
 def transcribe_all(texts: Sequence[str], path: Path = HEARD_FILE, seed: int = 0, progress: bool = True,
@@ -121,7 +85,6 @@ def transcribe_all(texts: Sequence[str], path: Path = HEARD_FILE, seed: int = 0,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dialogue.training import turn_data as D
 
     ap = argparse.ArgumentParser(prog="python -m dialogue.training.heard_turns", description=__doc__.split("\n")[0])
     ap.add_argument("--splits", default=",".join(SPLIT_ORDER), help="splits to transcribe, in this order")

@@ -119,7 +119,7 @@ class LikelihoodJudge:
         from transformers import DynamicCache
 
         from dialogue.fast_decoder import decoder_hidden
-        from dialogue.training.train_verifier import crop_to
+        from dialogue.training.relay_features import crop_to
 
         model = self.model
         cache = DynamicCache(config=model.config)
@@ -148,7 +148,7 @@ def validity(good: Sequence[float], bad: Sequence[float]) -> dict[str, float]:
     """How well a judge tells each prompt's own answer (`good`) from a bad one for the same prompt
     (`bad`, paired): AUROC over all pairs, the share of prompts where the own answer wins, and the
     bad answers' mean as a share of the good ones' (what a "quality ratio" of a bad answer would be)."""
-    from dialogue.training.train_verifier import auroc
+    from dialogue.training.relay_metrics import auroc
 
     n = len(good)
     mean_good = sum(good) / n if n else float("nan")

@@ -27,7 +27,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dialogue.training import train_verifier as TV
+from dialogue import verifier as V
+from dialogue.training import relay_prompts as RP
 from dialogue.verifier import INTERRUPT_CUES  # what callers say when they cut the assistant off
 
 #: a conversation's group is its last prompt's group + this (its split is that group's split)
@@ -51,7 +52,7 @@ def spoken_answer(answer: str, ended: bool) -> str:
         else:
             words = text.split()
             text = " ".join(words[:-1]) if len(words) > 1 else text
-    return text[: TV.HISTORY_CHARS].strip()
+    return text[: RP.HISTORY_CHARS].strip()
 
 
 def heard_words(answer: str, rng: random.Random) -> str:
@@ -66,12 +67,12 @@ def split_of(group: str, base_split: Mapping[str, str]) -> str | None:
     return base_split.get(group.removesuffix(GROUP_SUFFIX))
 
 
-def is_multi(p: TV.Prompt) -> bool:
+def is_multi(p: RP.Prompt) -> bool:
     return p.group.endswith(GROUP_SUFFIX)
 
 
 def conversations(rows: Sequence[Mapping[str, Any]], counts: Mapping[str, int] | None = None,
-                  seed: int = 0) -> list[tuple[TV.Prompt, str]]:
+                  seed: int = 0) -> list[tuple[RP.Prompt, str]]:
     """(prompt, split) for `counts[split]` conversations per split, from answered single-turn `rows`.
 
     `rows` are `drafter_targets.jsonl` rows (text, answer, ended, group, source, split, history);
@@ -79,10 +80,10 @@ def conversations(rows: Sequence[Mapping[str, Any]], counts: Mapping[str, int] |
     """
     counts = dict(DEFAULT_COUNTS if counts is None else counts)
     rng = random.Random(seed)
-    out: list[tuple[TV.Prompt, str]] = []
+    out: list[tuple[RP.Prompt, str]] = []
     for split in sorted(counts):
         pool = [r for r in rows if r.get("split") == split and not r.get("history") and str(r.get("answer", "")).strip()
-                and not TV.V.is_markup(str(r["answer"]))]
+                and not V.is_markup(str(r["answer"]))]
         pool.sort(key=lambda r: (r["group"], r["text"]))
         if len(pool) < MAX_EXCHANGES + 2:
             continue
@@ -109,6 +110,6 @@ def conversations(rows: Sequence[Mapping[str, Any]], counts: Mapping[str, int] |
             if key in seen or not history[-1][1]:
                 continue
             seen.add(key)
-            out.append((TV.Prompt(str(last["group"]) + GROUP_SUFFIX, SOURCE, tuple(history), text), split))
+            out.append((RP.Prompt(str(last["group"]) + GROUP_SUFFIX, SOURCE, tuple(history), text), split))
             made += 1
     return out

@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dialogue import verifier as V
 from duplex.base.paths import DATA_ROOT
 
 #: answer tokens each side is judged on (the drafter's targets hold this many)
@@ -108,7 +109,7 @@ def judge_dataset(examples: Sequence[Mapping[str, Any]], feature_files: Sequence
     from tqdm import tqdm
 
     from dialogue.training import drafter_data as DD
-    from dialogue.training import train_verifier as TV
+    from dialogue.training import relay_prompts as RP
 
     paths = [label_path(f) for f in feature_files]
     shipped_rows = read_shipped(shipped)
@@ -133,9 +134,9 @@ def judge_dataset(examples: Sequence[Mapping[str, Any]], feature_files: Sequence
             if paths[i].is_file():  # made meanwhile by another run on the same cache
                 continue
             ex = examples[i]
-            prompt = TV.Prompt(ex["group"], ex["source"], tuple(tuple(h) for h in ex["history"]), ex["text"])
+            prompt = RP.Prompt(ex["group"], ex["source"], tuple(tuple(h) for h in ex["history"]), ex["text"])
             history = prompt.messages()
-            ids = TV.V.chat_ids(tok, system, history, ex["text"])
+            ids = V.chat_ids(tok, system, history, ex["text"])
             target = targets.get(DD.prompt_key(prompt))
             if target is not None and target.get("n_tokens", LABEL_TOKENS) <= LABEL_TOKENS:
                 own = str(target["answer"]).strip()
@@ -199,7 +200,7 @@ def label_examples(examples: Sequence[dict[str, Any]], results: Sequence[Mapping
     """1 = committing the draft keeps the answer; sets ex['label'], ex['reason'] and ex['loss'] too.
     Reasons: a forced negative of `train_verifier.forced_negative`, "own" (the slow model's answer
     starts with the prefix), "kept" or "loses"."""
-    from dialogue.training.train_verifier import forced_negative
+
 
     labels = []
     for ex, res in zip(examples, results, strict=True):
@@ -210,3 +211,18 @@ def label_examples(examples: Sequence[dict[str, Any]], results: Sequence[Mapping
         ex["loss"] = float(res["loss"])
         labels.append(ex["label"])
     return labels
+
+
+def forced_negative(ex: Mapping[str, Any], echo: bool = True) -> str | None:
+    """Why a draft is unacceptable whatever its scores (None if it is not); `echo`: an echo of the
+    question is one (typical-acceptance labels; judge labels judge it by the answer it leads to)."""
+    prefix = str(ex["prefix"])
+    if not prefix:
+        return "empty"
+    if V.is_foreign(prefix):
+        return "foreign"
+    if V.is_markup(prefix):
+        return "markup"
+    if echo and V.repeats_question(prefix, str(ex["text"])):
+        return "echo"
+    return None

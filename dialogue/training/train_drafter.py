@@ -43,7 +43,7 @@ from dialogue import drafter_adapter as DA
 from dialogue import verifier as V
 from dialogue.training import drafter_data as DD
 from dialogue.training import multi_turn as MT
-from dialogue.training import train_verifier as TV
+from dialogue.training import relay_features as RF
 
 #: answer tokens (drafter tokenisation) the loss covers: the drafter drafts at most 12
 TARGET_TOKENS = 16
@@ -367,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not rows:
         raise SystemExit(f"no targets in {DD.TARGETS_FILE}: run `python -m dialogue.training.drafter_data` first")
     system = str(load_profile("cpu").component("llm").options.get("system_prompt", "")).strip()
-    model, tok = llm_weights.load(TV.DRAFTER, "float32", progress=progress)
+    model, tok = llm_weights.load(RF.DRAFTER, "float32", progress=progress)
     model.train()
     examples = build_examples(tok, system, rows)
     by_split = {s: [e for e in examples if e.split == s] for s in ("train", "val", "heldout")}
@@ -456,8 +456,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     meta = {
         "format": DA.FORMAT,
-        "base": {k: TV.DRAFTER[k] for k in ("name", "package", "file", "version")},
-        "base_sha256": TV.DRAFTER["sha256"],
+        "base": {k: RF.DRAFTER[k] for k in ("name", "package", "file", "version")},
+        "base_sha256": RF.DRAFTER["sha256"],
         "kept_layers": kept,
         "block_influence": [None if not math.isfinite(x) else round(x, 5) for x in bi] or None,
         "rank": cfg.rank,

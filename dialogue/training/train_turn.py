@@ -38,7 +38,7 @@ from torch import nn
 
 from dialogue.llm_weights import cache_root
 from dialogue.training import turn_data as D
-from dialogue.training.heard_turns import HEARD_FILE, HEARD_KIND, is_heard
+from dialogue.training.turn_data import HEARD_FILE, HEARD_KIND, is_heard
 from dialogue.turn_taking import (
     BACKCHANNEL,
     DEFAULT_WEIGHTS,

@@ -652,7 +652,6 @@ def build_examples(
     generated = generate_lines(generated_path, seed=seed, progress=progress)
     turn = turn_examples(generated, seed=seed)
     if heard:
-        from dialogue.training.heard_turns import heard_variants, read_heard
 
         turn += heard_variants(turn, read_heard())
     questions: list[tuple[str, str, str]] = []
@@ -716,3 +715,44 @@ def write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Rows of a JSONL file (e.g. the held-out set, for `duplex eval dialogue`)."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+HEARD_FILE = DATA_ROOT / "dialogue" / "turn_heard.jsonl"
+
+
+HEARD_KIND = "+heard"  # suffix of a heard example's kind
+
+
+def read_heard(path: Path = HEARD_FILE) -> dict[str, str]:
+    """text -> what the ASR heard (empty if the file is missing)."""
+    if not path.is_file():
+        return {}
+    out: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            out[str(row["text"])] = str(row["heard"])
+    return out
+
+
+def heard_variants(examples: Iterable[Mapping[str, Any]], heard: Mapping[str, str]) -> list[dict[str, Any]]:
+    """For each turn-head example whose transcript differs from its text (beyond punctuation and
+    case, which the head does not see), the transcript as an example of the same label and group."""
+    from dialogue.turn_taking import normalize_user_text
+
+    out = []
+    for ex in examples:
+        if ex.get("head", "turn") != "turn":
+            continue
+        h = heard.get(str(ex["text"]))
+        if not h or not h.strip():
+            continue
+        if normalize_user_text(h).lower() == normalize_user_text(str(ex["text"])).lower():
+            continue
+        out.append(dict(ex) | {"text": h, "kind": f"{ex.get('kind', '')}{HEARD_KIND}", "heard_from": ex["text"]})
+    return out
+
+
+def is_heard(example: Mapping[str, Any]) -> bool:
+    """An example made by `heard_variants` (the ASR's transcript of another example's text)."""
+    return str(example.get("kind", "")).endswith(HEARD_KIND)

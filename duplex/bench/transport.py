@@ -29,7 +29,7 @@ import numpy as np
 from codec.g711 import float_to_ulaw, ulaw_to_float
 from codec.pcm import float_to_pcm16, pcm16_to_float
 from codec.resample import LowLatencyResampler
-from duplex.bench.serve import SR, BenchError, Mic, Progress, cancel_tasks, percentiles, trim_speech
+from duplex.bench.common import SR, BenchError, Mic, Progress, cancel_tasks, percentiles, trim_speech
 
 TRANSPORTS = ("native", "twilio", "audiosocket", "realtime")
 AUDIBLE_RMS = 1e-3  # answer audio below this is silence padding, not the answer starting

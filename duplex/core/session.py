@@ -56,8 +56,8 @@ from duplex.core.events import (
     TurnDecision,
     TurnLatency,
 )
+from duplex.core.jobs import Job
 from duplex.core.playout import Playout, heard_within
-from duplex.runtime.executor import Job
 
 log = logging.getLogger("duplex.core.session")
 

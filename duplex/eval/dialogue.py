@@ -272,7 +272,8 @@ def _slow_accepts(stage: Any, history: list[dict[str, str]], text: str, r: dict[
     """The verifier's training label, recomputed for this draft (`train_verifier.judge_prefix`): its
     forced negatives, the slow model's own greedy opening, or typical acceptance of the draft's
     prefix under the slow model in context (parameters stored with the verifier)."""
-    from dialogue.training.train_verifier import Acceptance, judge_prefix, score_prefix
+    from dialogue.training.relay_features import score_prefix
+    from dialogue.training.train_verifier import Acceptance, judge_prefix
     from dialogue.turn_taking import normalize_user_text
     from dialogue.verifier import chat_ids, draft, prefix_text
 

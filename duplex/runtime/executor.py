@@ -25,24 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from duplex.base.stage import StreamingStage
+from duplex.core.jobs import Job
 
 log = logging.getLogger("duplex.runtime.executor")
-
-
-@dataclass
-class Job:
-    """One step of one stage for one session."""
-
-    stage: str  # which registered stage runs it (also the batching key)
-    label: str  # budget label, e.g. "asr.partial"; overruns are counted per label
-    session_id: str
-    turn_id: int
-    state: Any
-    chunk: Any
-    deadline: float  # executor clock time by which it should be done
-    submitted: float = 0.0
-    tag: Any = None  # opaque to the executor; the session core uses it to match results
-    future: Future[tuple[Any, Any]] = field(default_factory=Future)
 
 
 @dataclass

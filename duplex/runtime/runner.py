@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from duplex.core.events import ServerEvent
+from duplex.core.jobs import Job
 from duplex.core.session import SessionCore
-from duplex.runtime.executor import DeviceExecutor, Job
+from duplex.runtime.executor import DeviceExecutor
 
 log = logging.getLogger("duplex.runtime.runner")
 

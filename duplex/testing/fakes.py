@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from duplex.base.stage import SequentialBatchMixin
+from duplex.core.jobs import Job
 from duplex.core.session import SR, SessionCore, Stages
-from duplex.runtime.executor import Job
 
 VOCAB = (
     "what is the capital of france paris yes no stop two plus four hello how are you "

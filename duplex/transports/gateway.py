@@ -19,7 +19,7 @@ from typing import Any
 from duplex.runtime.service import DuplexService
 from duplex.transports.native import NATIVE_PATH, DuplexServer, ServerSettings
 
-log = logging.getLogger("duplex.runtime.gateway")
+log = logging.getLogger("duplex.transports.gateway")
 
 
 @dataclass
