@@ -21,10 +21,11 @@ import numpy as np
 
 from asr.ort_format import ort_to_onnx
 from asr.vad import ModelError, package_file
+from duplex.base.audio import SAMPLE_RATE
 from duplex.base.config import ComponentConfig, ConfigError
+from duplex.base.messages import AsrChunk, AsrResult
 from duplex.base.stage import SequentialBatchMixin
 
-SAMPLE_RATE = 16000
 #: below ~1000 samples the encoder's convolutions get an empty input and onnxruntime *aborts the
 #: process* (an uncaught C++ exception), so anything shorter than 0.1 s is answered without the model
 MIN_SAMPLES = SAMPLE_RATE // 10
@@ -35,25 +36,6 @@ BOS, EOS, N_SPECIAL = 1, 2, 3
 #: greedy decoding stops after this many tokens per second of audio (speech runs at ~3-4 tokens/s)
 MAX_TOKENS_PER_SECOND = 6.0
 _SPACE_MARK = "\u2581"  # sentencepiece's word-start mark
-
-
-@dataclass(frozen=True)
-class AsrChunk:
-    """New audio of the open segment; `transcribe` asks for its transcript now, `final` marks end of turn."""
-
-    samples: np.ndarray
-    transcribe: bool = False
-    final: bool = False
-
-
-@dataclass(frozen=True)
-class AsrOutput:
-    """Transcript of the whole open segment (`text` is None when none was asked for)."""
-
-    text: str | None
-    is_final: bool
-    audio_seconds: float
-    compute_seconds: float
 
 
 @dataclass
@@ -193,7 +175,7 @@ class MoonshineModel:
         return ids
 
 
-class MoonshineAsrStage(SequentialBatchMixin[AsrState, AsrChunk, AsrOutput]):
+class MoonshineAsrStage(SequentialBatchMixin[AsrState, AsrChunk, AsrResult]):
     """Segment ASR stage: buffers the open segment, transcribes all of it on request.
 
     The encoder takes no padding mask, so segments of different lengths cannot share a call: `step_batch`
@@ -201,6 +183,7 @@ class MoonshineAsrStage(SequentialBatchMixin[AsrState, AsrChunk, AsrOutput]):
     """
 
     kind = "asr"
+    streaming = False  # transcribes the whole segment on request
     sample_rate = SAMPLE_RATE
 
     def __init__(self, model: MoonshineModel) -> None:
@@ -209,7 +192,7 @@ class MoonshineAsrStage(SequentialBatchMixin[AsrState, AsrChunk, AsrOutput]):
     def init_state(self) -> AsrState:
         return AsrState()
 
-    def step(self, state: AsrState, chunk: AsrChunk) -> tuple[AsrOutput, AsrState]:
+    def step(self, state: AsrState, chunk: AsrChunk) -> tuple[AsrResult, AsrState]:
         """Append `chunk.samples`; transcribe the whole segment if asked (`final` implies it).
 
         The input state is not modified.
@@ -221,12 +204,12 @@ class MoonshineAsrStage(SequentialBatchMixin[AsrState, AsrChunk, AsrOutput]):
         new_state = AsrState(chunks=chunks, n_samples=state.n_samples + x.size)
         seconds = new_state.n_samples / SAMPLE_RATE
         if not (chunk.transcribe or chunk.final):
-            return AsrOutput(None, False, seconds, 0.0), new_state
+            return AsrResult(None, False, seconds, 0.0), new_state
         audio = new_state.audio()
         new_state = AsrState(chunks=(audio,) if audio.size else (), n_samples=audio.size)  # join once
         t0 = time.perf_counter()
         text = self.model.transcribe(audio)
-        return AsrOutput(text, chunk.final, seconds, time.perf_counter() - t0), new_state
+        return AsrResult(text, chunk.final, seconds, time.perf_counter() - t0), new_state
 
 
 def load_asr_stage(cfg: ComponentConfig) -> MoonshineAsrStage:

@@ -28,44 +28,19 @@ from typing import Any
 
 import numpy as np
 
-from asr.moonshine import AsrChunk
+from duplex.base.audio import SAMPLE_RATE
 from duplex.base.config import ComponentConfig, ConfigError
 from duplex.base.errors import ModelError
+from duplex.base.messages import AsrChunk, AsrResult, Word
 
 log = logging.getLogger("duplex.asr.nemo")
 
-SAMPLE_RATE = 16000
+
 HOP = 160  # feature frame: 10 ms
 HALF_FFT = 256  # NeMo pads n_fft // 2 (constant zeros) on both sides: frame t spans [160t - 256, 160t + 256)
 CONTEXT = 2 * HOP  # a feature call starts 2 frames early so no frame we keep sees its edge
 PIP_HINT = 'pip install -c constraints.txt "nemo-toolkit[asr]==3.0.0"'
 SHIPPED = Path(__file__).resolve().parent / "weights" / "fc_small.nemo"
-
-
-@dataclass(frozen=True)
-class Word:
-    """A recognised word and when it was spoken, in seconds from the start of the segment."""
-
-    word: str
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class StreamingAsrOutput:
-    """Transcript of the whole open segment so far (`text`), its words with times, and the decoder's
-    end-of-utterance signal: `eou` once `trailing_silence_ms` of blank frames follow the last word;
-    `no_words` while the segment has no word although that much of it was decoded (noise, a hum)."""
-
-    text: str | None
-    is_final: bool
-    audio_seconds: float
-    compute_seconds: float
-    words: tuple[Word, ...] = ()
-    eou: bool = False
-    trailing_silence_ms: float = 0.0
-    chunks: int = 0
-    no_words: bool = False
 
 
 @dataclass(frozen=True)
@@ -207,10 +182,10 @@ class NemoStreamingAsrStage:
     def init_state(self) -> StreamState:
         return StreamState()
 
-    def step(self, state: StreamState, chunk: AsrChunk) -> tuple[StreamingAsrOutput, StreamState]:
+    def step(self, state: StreamState, chunk: AsrChunk) -> tuple[AsrResult, StreamState]:
         return self.step_batch([(state, chunk)])[0]
 
-    def step_batch(self, items: Sequence[tuple[StreamState, AsrChunk]]) -> list[tuple[StreamingAsrOutput, StreamState]]:
+    def step_batch(self, items: Sequence[tuple[StreamState, AsrChunk]]) -> list[tuple[AsrResult, StreamState]]:
         torch = self.m.torch
         works: list[_Work] = []
         for state, chunk in items:
@@ -319,7 +294,7 @@ class NemoStreamingAsrStage:
             kept = w.state.encoded + (encoded[i, :, : int(enc_len[i])].clone(),) if self.m.keep_encoded else ()
             w.state = replace(w.state, cache=cache, enc_frames=w.state.enc_frames + int(enc_len[i]), encoded=kept)
 
-    def _output(self, state: StreamState, w: _Work) -> StreamingAsrOutput:
+    def _output(self, state: StreamState, w: _Work) -> AsrResult:
         words: list[Word] = []
         pieces: list[list[int]] = []
         frames: list[tuple[int, int]] = []
@@ -338,7 +313,7 @@ class NemoStreamingAsrStage:
         trailing = state.enc_frames - (state.token_frames[-1] + 1) if state.token_frames else state.enc_frames
         text = " ".join(wd.word for wd in words)
         asked = w.chunk.transcribe or w.chunk.final
-        return StreamingAsrOutput(
+        return AsrResult(
             text=text if asked else None, is_final=bool(w.chunk.final),
             audio_seconds=state.n_samples / SAMPLE_RATE, compute_seconds=time.perf_counter() - w.started,
             words=tuple(words), eou=bool(words) and trailing >= self.m.eou_frames,

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from duplex.base.audio import SAMPLE_RATE
 from duplex.base.config import ComponentConfig, ConfigError
 from duplex.base.errors import ModelError  # noqa: F401  (re-exported: asr.vad.ModelError)
 
-SAMPLE_RATE = 16000
 WINDOW = 512  # 32 ms
 CONTEXT = 64  # 4 ms of the previous window the v5 model expects in front of each window
 STATE_SHAPE = (2, 1, 128)

@@ -33,6 +33,15 @@ from dialogue.conversation import ChatRenderer, Conversations, Track, pieces_for
 from dialogue.kv_cache import CachedLM
 from dialogue.llm import LlmOptions, _torch_threads, stop_token_ids, text_delta
 from duplex.base.config import ComponentConfig, ConfigError
+from duplex.base.messages import (
+    ListenOutput,
+    ListenStep,
+    OverlapOutput,
+    OverlapStep,
+    RelayInfo,
+    RespondOutput,
+    RespondStep,
+)
 from duplex.base.stage import SequentialBatchMixin
 
 log = logging.getLogger("duplex.dialogue")
@@ -100,90 +109,8 @@ def _options(cls: Any, raw: Mapping[str, Any], what: str) -> Any:
 # -- steps and outputs -----------------------------------------------------------------------
 
 
-@dataclass
-class ListenStep:
-    """The user is talking: `messages` is the history before this turn, `text` their words so far."""
-
-    messages: list[dict[str, str]]
-    text: str
-    #: also prefill the slow model (the live service does; evaluating the heads alone need not)
-    prefill_slow: bool = True
-    #: then also prefill, in the drafter only, the end of the user's turn and the answer header as if
-    #: the turn ended here (the next slice rolls it back), so a draft decodes its first word at once;
-    #: None: when the relay is on
-    preclose: bool | None = None
-
-
-@dataclass
-class OverlapStep:
-    """The user said `text` while the service was speaking."""
-
-    text: str
-
-
 #: the most tokens a first step decodes while waiting for a speakable first phrase
 FIRST_PHRASE_MAX_TOKENS = 16
-
-
-@dataclass
-class RespondStep:
-    """First step of an answer (`messages` = history ending with the user turn) or a continuation."""
-
-    messages: list[dict[str, str]] | None = None
-    max_tokens: int = 4
-    #: None: the drafter's `relay` option decides
-    relay: bool | None = None
-    #: the relay's decision forced (evaluation): True commits any non-empty draft prefix, False
-    #: discards every draft; None: the verifier decides
-    commit: bool | None = None
-    #: first step only: decode until the answer holds a first phrase of this many words (the TTS's
-    #: rule, `duplex.base.phrases.first_phrase_ready`) instead of `max_tokens` tokens; 0: `max_tokens`
-    phrase_words: int = 0
-
-
-@dataclass
-class ListenOutput:
-    probs: tuple[float, float, float]
-    prefill_tokens: int
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def decision(self) -> int:
-        return max(range(3), key=lambda i: self.probs[i])
-
-
-@dataclass
-class OverlapOutput:
-    p_interrupt: float
-    interrupt: bool
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class RelayInfo:
-    draft: str
-    prefix: str
-    p_accept: float
-    committed: bool
-    draft_s: float
-    #: the drafter chose the end of turn (the draft is a whole answer)
-    ended: bool = False
-    #: the verifier threshold this draft was judged against
-    threshold: float = 0.5
-    #: why the draft may not be committed whatever its score (`verifier.draft_veto`), or None
-    veto: str | None = None
-
-
-@dataclass
-class RespondOutput:
-    """Text decoded in this step (complete characters only) and bookkeeping."""
-
-    text: str
-    done: bool
-    n_tokens: int
-    prefill_tokens: int
-    timings: dict[str, float] = field(default_factory=dict)
-    relay: RelayInfo | None = None
 
 
 @dataclass

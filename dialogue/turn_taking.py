@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from duplex.base.errors import ModelError
+from duplex.base.turn_policy import BACKCHANNEL, LABELS, LISTEN, SPEAK, TurnPolicy
 
 __all__ = [
     "BACKCHANNEL",
@@ -46,8 +46,6 @@ __all__ = [
     "render_user_prefix",
 ]
 
-LISTEN, BACKCHANNEL, SPEAK = 0, 1, 2
-LABELS = ("listen", "backchannel", "speak")
 #: overlap head classes; the head outputs P(class 1)
 OVERLAP_LABELS = ("backchannel", "interruption")
 
@@ -141,42 +139,6 @@ class TurnHeads(nn.Module):
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Both heads at once: (turn probabilities [..., 3], P(interruption) [...])."""
         return self.turn(hidden), self.overlap(hidden)
-
-
-@dataclass
-class TurnPolicy:
-    """Decision thresholds, tuned on validation data at training time and shipped in the metadata.
-
-    The session core applies the same rule (duplex/core/session.py). With a `take_threshold` (heads trained
-    since 2026-11-25 evening): the turn is taken if 1 - P(listen) >= take_threshold, as SPEAK if
-    P(speak) >= P(backchannel), else as BACKCHANNEL ("mm-hmm", then answer if they do not go on); else
-    LISTEN. Without one (older heads): SPEAK if P(speak) >= speak_threshold, else BACKCHANNEL if
-    P(backchannel) >= backchannel_threshold and >= P(listen), else LISTEN. The take rule does not
-    leave a finished statement that is half "mm-hmm" point, half answer point ("I live in Paris.":
-    listen 0.03, backchannel 0.51, speak 0.46) unanswered because neither class alone is sure.
-    """
-
-    speak_threshold: float = 0.5
-    backchannel_threshold: float = 0.5
-    interrupt_threshold: float = 0.5
-    take_threshold: float | None = None
-
-    def decide_turn(self, probs: Sequence[float] | torch.Tensor) -> int:
-        """LISTEN, BACKCHANNEL or SPEAK for one turn-head output (p_listen, p_backchannel, p_speak)."""
-        p_listen, p_bc, p_speak = (float(p) for p in probs)
-        if self.take_threshold is not None:
-            if 1.0 - p_listen < self.take_threshold:
-                return LISTEN
-            return SPEAK if p_speak >= p_bc else BACKCHANNEL
-        if p_speak >= self.speak_threshold:
-            return SPEAK
-        if p_bc >= self.backchannel_threshold and p_bc >= p_listen:
-            return BACKCHANNEL
-        return LISTEN
-
-    def decide_overlap(self, p_interrupt: float | torch.Tensor) -> bool:
-        """True: the user interrupts (stop talking); False: a backchannel (go on)."""
-        return float(p_interrupt) >= self.interrupt_threshold
 
 
 def load_turn_heads(

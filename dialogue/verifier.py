@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dialogue.llm import stop_token_ids
+from duplex.base.cues import opens_with_cue
 from duplex.base.errors import ModelError
 
 __all__ = [
@@ -494,10 +495,6 @@ def repeats_previous_answer(prefix: str, previous: str | None) -> bool:
     return len(pw) >= 2 and aw[: len(pw)] == pw
 
 
-#: how callers open a barge-in turn ("Stop, how many days are in a year?"): after one, the caller
-#: has left the topic of the answer they cut off (also the cues of dialogue/training/multi_turn.py's data)
-INTERRUPT_CUES = ("stop", "wait", "hold on", "sorry", "no no", "okay stop", "actually", "hang on",
-                  "excuse me", "sorry to interrupt", "stop stop", "wait a second")
 _FUNCTION_WORDS = frozenset(
     "a an the is are was were be been being am i you he she it we they me my your his her its our their this "
     "that these those of in on at to for with by from and or but so as if then than there here what which who "
@@ -517,12 +514,6 @@ def _content(text: str) -> set[str]:
     return out
 
 
-def opens_with_interrupt_cue(user_text: str) -> bool:
-    """The turn opens with a barge-in cue ("Stop.", "Wait,", "Hold on, ...")."""
-    uw = words(user_text)
-    return any(uw[: len(c.split())] == c.split() for c in INTERRUPT_CUES)
-
-
 def carries_interrupted_topic(prefix: str, user_text: str | None, previous: str | None,
                               previous_request: str | None = None) -> bool:
     """After a barge-in cue, the draft goes on about the answer the caller cut off: it shares a content
@@ -532,7 +523,7 @@ def carries_interrupted_topic(prefix: str, user_text: str | None, previous: str 
     long story about a brave little mouse" and "Stop. What is two plus two?"). A follow-up on the same
     topic names it ("Wait, why does the engine need oil?") and is left to the scores; a wrong veto only
     loses the draft's head start."""
-    if not user_text or not (previous or previous_request) or not opens_with_interrupt_cue(user_text):
+    if not user_text or not (previous or previous_request) or not opens_with_cue(user_text):
         return False
     draft = _content(prefix)
     topic = _content(previous or "") | _content(previous_request or "")

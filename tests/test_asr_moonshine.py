@@ -13,7 +13,7 @@ import pytest
 from asr.moonshine import (
     MIN_SAMPLES,
     AsrChunk,
-    AsrOutput,
+    AsrResult,
     MoonshineAsrStage,
     MoonshineModel,
     clean_text,
@@ -51,7 +51,7 @@ def test_recognises_synthesised_question(stage: MoonshineAsrStage, question: np.
 def test_chunked_equals_whole(stage: MoonshineAsrStage, question: np.ndarray, chunk: int) -> None:
     whole, _ = stage.step(stage.init_state(), AsrChunk(question, transcribe=True, final=True))
     state = stage.init_state()
-    partials: list[AsrOutput] = []
+    partials: list[AsrResult] = []
     for i, start in enumerate(range(0, question.size, chunk)):
         # ask for a partial now and then, as the session does; the last chunk asks for the final
         last = start + chunk >= question.size

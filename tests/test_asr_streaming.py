@@ -14,7 +14,6 @@ import pytest
 pytest.importorskip("nemo.collections.asr", reason="the streaming ASR backend needs nemo-toolkit[asr]")
 import torch  # noqa: E402
 
-from asr.moonshine import AsrChunk  # noqa: E402
 from asr.nemo_streaming import (  # noqa: E402
     NemoStreamingAsrStage,
     NemoStreamingModel,
@@ -23,6 +22,7 @@ from asr.nemo_streaming import (  # noqa: E402
 )
 from asr.training.streaming_model import ATT_CONTEXT_SIZES, build_model, model_config, train_tokenizer  # noqa: E402
 from duplex.base.config import ComponentConfig, ConfigError  # noqa: E402
+from duplex.base.messages import AsrChunk  # noqa: E402
 from tests.speech import synthesize  # noqa: E402
 
 TEXT = ["hello how are you today", "what is the capital of france", "book a table for four at seven",

@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("nemo.collections.asr", reason="the streaming ASR backend needs nemo-toolkit[asr]")
 
-from asr.moonshine import AsrChunk  # noqa: E402
 from asr.nemo_streaming import SHIPPED  # noqa: E402
 from duplex.base.config import load_profile  # noqa: E402
+from duplex.base.messages import AsrChunk  # noqa: E402
 from duplex.core.session import SR, SessionCore  # noqa: E402
 from tests.speech import synthesize  # noqa: E402
 
@@ -90,7 +90,7 @@ def test_session_core_on_the_streaming_asr_transcribes_while_the_user_speaks(sta
     import dataclasses
 
     stages = dataclasses.replace(stages, vad=load_vad_stage(profile.component("vad")), asr=stage,
-                                 asr_chunk=lambda samples, transcribe, final: AsrChunk(samples, transcribe, final))
+                                 asr_streaming=stage.streaming)
     clock = FakeClock()
     core = SessionCore("s1", profile, stages, clock, options=profile.session)
     speech = synthesize("Could you tell me what the capital of France is?")

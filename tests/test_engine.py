@@ -15,9 +15,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from dialogue.conversation import ChatRenderer, Conversations, pieces_for
-from dialogue.engine import DialogueStage, DrafterOptions, ListenStep, OverlapStep, RespondStep, SlowOptions
+from dialogue.engine import DialogueStage, DrafterOptions, SlowOptions
 from dialogue.kv_cache import CachedLM
 from dialogue.verifier import prefix_ends_word
+from duplex.base.messages import ListenStep, OverlapStep, RespondStep
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

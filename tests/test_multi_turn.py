@@ -9,6 +9,7 @@ import random
 from dialogue.training import drafter_data as DD
 from dialogue.training import multi_turn as MT
 from dialogue.training.train_drafter import copies_history
+from duplex.base.cues import TRAINING_CUES
 from duplex.eval.dialogue import copied_openings, starts_like_earlier_answer
 
 
@@ -47,7 +48,7 @@ def test_conversations_stay_in_their_split_and_hold_earlier_answers() -> None:
         last = p.history[-1][1]
         if not last.endswith("."):  # the last answer was cut off by a barge-in: the user's turn says so
             cut += 1
-            assert any(p.text.startswith(cue + " ") for cue in MT.INTERRUPT_CUES), p.text
+            assert any(p.text.startswith(cue + " ") for cue in TRAINING_CUES), p.text
     assert cut > 0
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 
 from duplex.base.config import load_profile
+from duplex.base.turn_policy import TurnPolicy
 from duplex.core.session import SR, SessionCore
 from duplex.testing.fakes import (
     FakeClock,
@@ -171,7 +172,7 @@ def test_answer_audio_is_held_at_once_and_resumed_after_a_backchannel():
 
 
 def test_a_bare_interruption_cue_is_not_a_turn_to_answer() -> None:
-    from duplex.core.session import bare_interruption_cue
+    from duplex.base.cues import is_bare_cue as bare_interruption_cue
 
     assert bare_interruption_cue("Stop,") and bare_interruption_cue("Hold on.") and bare_interruption_cue("wait")
     assert not bare_interruption_cue("Stop, what is two plus two?")
@@ -186,15 +187,15 @@ def test_the_take_rule_in_the_session_core():
 
     profile = load_profile("cpu")
     clock = FakeClock()
-    stages = dataclasses.replace(fake_turn_stages(scripted_answer, turn_fn=split_head), take_threshold=0.6,
-                                 speak_threshold=0.7, backchannel_threshold=0.7)
+    policy = TurnPolicy(speak_threshold=0.7, backchannel_threshold=0.7, take_threshold=0.6)
+    stages = dataclasses.replace(fake_turn_stages(scripted_answer, turn_fn=split_head), policy=policy)
     core = SessionCore("s1", profile, stages, clock, options=profile.session)
     speech = tone_speech("what is the capital of france")
     result = replay(core, clock, np.concatenate([silence(0.5), speech, silence(3.0)]), COSTS)
     assert result.events("turn.decision")[-1].decision == "backchannel"
     assert result.events("response.done")[0].text == "paris is the capital of france"
     # without the take rule the same head output is "listen": answered only after the long hangover
-    core = SessionCore("s1", profile, dataclasses.replace(stages, take_threshold=None), FakeClock(),
+    core = SessionCore("s1", profile, dataclasses.replace(stages, policy=dataclasses.replace(policy, take_threshold=None)), FakeClock(),
                        options=profile.session)
     result = replay(core, core.clock, np.concatenate([silence(0.5), speech, silence(3.0)]), COSTS)
     assert result.events("turn.decision")[-1].decision == "listen"

@@ -28,7 +28,7 @@ from dialogue.verifier import (
     token_stats,
 )
 from duplex.base.errors import ModelError
-from tests.test_llm_stage import tiny_model, tiny_tokenizer
+from tests.test_llm_options import tiny_model, tiny_tokenizer
 
 # -- token_stats ------------------------------------------------------------------------------------
 
@@ -223,7 +223,8 @@ def test_the_engine_never_commits_what_no_score_can_excuse() -> None:
 
 
 def test_after_a_barge_in_cue_a_draft_about_the_cut_off_answer_is_vetoed():
-    from dialogue.verifier import draft_veto, opens_with_interrupt_cue
+    from dialogue.verifier import draft_veto
+    from duplex.base.cues import opens_with_cue as opens_with_interrupt_cue
 
     cut = "A car engine is a machine that turns fuel into motion. First, air"
     # the live bench's wrong answer: the drafter went on about the engine, the slow model continued it

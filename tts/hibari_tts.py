@@ -10,6 +10,7 @@ import numpy as np
 
 from duplex.base.config import ComponentConfig, ConfigError
 from duplex.base.errors import ModelError
+from duplex.base.messages import TtsChunk, TtsInput
 from duplex.base.phrases import PhraseSegmenter, PhraseState
 from duplex.base.stage import SequentialBatchMixin
 
@@ -41,22 +42,6 @@ def trim_silence(audio: np.ndarray, pause_seconds: float, sample_rate: int = SAM
     start = max(0, int(loud[0]) - round(LEAD_SECONDS * sample_rate))
     voiced = audio[start : int(loud[-1]) + 1]
     return np.concatenate([voiced, np.zeros(round(pause_seconds * sample_rate), np.float32)])
-
-
-@dataclass(frozen=True)
-class TtsInput:
-    """A text delta from the LLM; `final` marks the end of the response (flushes the rest)."""
-
-    text: str
-    final: bool = False
-
-
-@dataclass(frozen=True)
-class TtsChunk:
-    """One phrase: float32 audio at 24 kHz and the text it speaks (for what was heard on barge-in)."""
-
-    audio: np.ndarray
-    text: str
 
 
 @dataclass

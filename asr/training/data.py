@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from codec.resample import resample
+from duplex.base.audio import SAMPLE_RATE
 from duplex.base.paths import DATA_ROOT
 
-SAMPLE_RATE = 16000
 WORDNET_DIR = "/usr/share/wordnet"
 FORTUNE_DIR = "/usr/share/games/fortunes"
 DIALOGUE_DATA = DATA_ROOT / "dialogue"

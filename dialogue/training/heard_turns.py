@@ -57,9 +57,10 @@ def transcribe_all(texts: Sequence[str], path: Path = HEARD_FILE, seed: int = 0,
     """Speak and transcribe the texts not yet in `path`; append each row as it is made. Returns rows added."""
     from tqdm.auto import tqdm
 
-    from asr.moonshine import AsrChunk, load_asr_stage
+    from asr.moonshine import load_asr_stage
     from asr.training.data import Speaker
     from duplex.base.config import load_profile
+    from duplex.base.messages import AsrChunk
 
     done = read_heard(path)
     todo = [t for t in dict.fromkeys(texts) if t not in done]

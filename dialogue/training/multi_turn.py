@@ -29,7 +29,7 @@ from typing import Any
 
 from dialogue import verifier as V
 from dialogue.training import relay_prompts as RP
-from dialogue.verifier import INTERRUPT_CUES  # what callers say when they cut the assistant off
+from duplex.base.cues import TRAINING_CUES  # what callers say when they cut the assistant off
 
 #: a conversation's group is its last prompt's group + this (its split is that group's split)
 GROUP_SUFFIX = "#multi"
@@ -105,7 +105,7 @@ def conversations(rows: Sequence[Mapping[str, Any]], counts: Mapping[str, int] |
             text = str(last["text"])
             if rng.random() < BARGE_IN:
                 history[-1] = ("assistant", heard_words(history[-1][1], rng))
-                text = f"{rng.choice(INTERRUPT_CUES)} {text[:1].lower()}{text[1:]}"
+                text = f"{rng.choice(TRAINING_CUES)} {text[:1].lower()}{text[1:]}"
             key = (tuple(history), text)
             if key in seen or not history[-1][1]:
                 continue

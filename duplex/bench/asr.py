@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-SR = 16000
+from duplex.base.audio import SAMPLE_RATE as SR
 
 
 def _speech(seconds: float, seed: int) -> np.ndarray:
@@ -34,7 +34,7 @@ def _speech(seconds: float, seed: int) -> np.ndarray:
 
 
 def bench(stage: Any, sessions: int, audio: np.ndarray, stagger: int = 3) -> dict[str, Any]:
-    from asr.moonshine import AsrChunk
+    from duplex.base.messages import AsrChunk
 
     torch = stage.m.torch
     chunk = int(round(stage.m.chunk_ms / 1000 * SR))
@@ -77,8 +77,8 @@ def bench(stage: Any, sessions: int, audio: np.ndarray, stagger: int = 3) -> dic
 def run(args: Any) -> int:
     import torch
 
-    from asr.moonshine import AsrChunk
     from asr.nemo_streaming import SHIPPED, NemoStreamingAsrStage, NemoStreamingModel, load_nemo_model
+    from duplex.base.messages import AsrChunk
 
     threads = int(getattr(args, "threads", 0) or 0)
     if threads:

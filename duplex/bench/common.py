@@ -18,9 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from duplex.base.audio import SAMPLE_RATE as SR
+
 log = logging.getLogger("duplex.bench")
 
-SR = 16000
+
 FRAME_SAMPLES = SR // 50  # 20 ms
 FRAME_SECONDS = FRAME_SAMPLES / SR
 

@@ -28,9 +28,24 @@ from typing import Any
 
 import numpy as np
 
+from duplex.base.audio import SAMPLE_RATE as SR
 from duplex.base.config import ConfigError, Profile, SessionOptions
+from duplex.base.cues import is_bare_cue
+from duplex.base.messages import (
+    AsrChunk,
+    AsrResult,
+    ListenOutput,
+    ListenStep,
+    OverlapOutput,
+    OverlapStep,
+    RespondOutput,
+    RespondStep,
+    TtsChunk,
+    TtsInput,
+)
 from duplex.base.phrases import first_phrase_ready
 from duplex.base.stage import StreamingStage
+from duplex.base.turn_policy import LABELS, TurnPolicy
 from duplex.core.endpointing import Edge, Endpointer
 from duplex.core.events import (
     CLIENT_INPUT_CLEAR,
@@ -61,47 +76,29 @@ from duplex.core.playout import Playout, heard_within
 
 log = logging.getLogger("duplex.core.session")
 
-SR = 16000  # every stage runs on 16 kHz input
+
 FRAME_SECONDS = 0.04  # output audio frame length
-
-#: what callers say to cut the service off; said alone, more follows ("Stop, ... what is two plus two?")
-INTERRUPTION_CUES = frozenset({
-    "stop", "wait", "hold on", "hang on", "excuse me", "okay stop", "stop stop", "wait wait", "wait a second",
-    "one second", "hold on a second", "sorry to interrupt",
-})
-
-
-def bare_interruption_cue(text: str) -> bool:
-    """The turn so far is only a cue such as "Stop," or "Wait.": at a pause it is not yet a turn to
-    answer (the turn head scores it close to SPEAK after a barge-in; answering "Stop," is never right)."""
-    words = " ".join("".join(c if c.isalnum() or c in " '" else " " for c in text.lower()).split())
-    return words in INTERRUPTION_CUES
-
 
 @dataclass(frozen=True)
 class Stages:
-    """The stage objects a session uses (shared by all sessions; state lives in the core)."""
+    """The stage objects a session uses (shared by all sessions; state lives in the core).
 
-    vad: StreamingStage[Any, Any, Any]
-    asr: StreamingStage[Any, Any, Any]
-    llm: StreamingStage[Any, Any, Any]
-    tts: StreamingStage[Any, Any, Any]
-    # constructors of stage inputs, so the core does not import model packages
-    asr_chunk: Callable[[np.ndarray, bool, bool], Any]
-    llm_step: Callable[[list[dict[str, str]] | None, int], Any]
-    tts_input: Callable[[str, bool], Any]
-    # learned turn-taking (dialogue.engine); None: fixed VAD hangover and VAD barge-in
-    #: (history, words so far, also prefill the slow model, the session's relay setting)
-    listen_step: Callable[[list[dict[str, str]], str, bool, bool | None], Any] | None = None
-    overlap_step: Callable[[str], Any] | None = None
-    #: the first step of an answer with the session's relay setting (None: llm_step)
-    respond_step: Callable[[list[dict[str, str]] | None, int, bool], Any] | None = None
-    #: thresholds of the turn head: P(speak) to answer, P(backchannel) to say "mm-hmm"
-    speak_threshold: float = 0.5
-    backchannel_threshold: float = 0.5
-    #: P(not listen) to take the turn (then speak or "mm-hmm", whichever is likelier); None: the
-    #: older rule on the two thresholds above (dialogue.turn_taking.TurnPolicy)
-    take_threshold: float | None = None
+    The core talks to them only through the typed messages of duplex/base/messages.py.
+    """
+
+    vad: StreamingStage[Any, Any, list[tuple[int, float]]]
+    asr: StreamingStage[Any, AsrChunk, AsrResult | None]
+    llm: StreamingStage[Any, Any, Any]  # ListenStep/OverlapStep/RespondStep -> their outputs
+    tts: StreamingStage[Any, TtsInput, list[TtsChunk]]
+    #: the ASR transcribes as the audio arrives (words with times, end-of-utterance); False: it
+    #: transcribes the whole segment on request (partials at intervals, a final at the pause)
+    asr_streaming: bool = False
+    #: learned turn-taking: the llm stage takes ListenStep and OverlapStep, and its heads decide by this
+    #: policy; None: fixed VAD hangover and VAD barge-in
+    policy: TurnPolicy | None = None
+    #: an answer's first step decodes until it holds a first phrase of this many words (the TTS's rule);
+    #: 0: a fixed number of tokens
+    phrase_words: int = 0
     backchannel_text: str = "Mm-hmm."
 
 
@@ -172,6 +169,7 @@ class SessionCore:
         self.options = options or profile.session
         self.stages = stages
         self.clock = clock
+        self.turn_taking = stages.policy is not None
         self.budgets = {
             "vad": profile.component("vad").budget("step", 30),
             "asr.partial": profile.component("asr").budget("partial", 400),
@@ -212,7 +210,6 @@ class SessionCore:
         self._last_spoken: tuple[int, list[tuple[float, str]], dict[str, str] | None] | None = None
         self.closed = False
         # learned turn-taking: what the LLM slot should do when it is free (besides answering)
-        self.turn_taking = stages.listen_step is not None
         self._want_listen: tuple[int, str, int, bool] | None = None  # (segment, text, covered, at pause)
         self._want_overlap: tuple[int, str, int] | None = None  # (segment, text, covered)
         self._last_backchannel = -1e9
@@ -405,7 +402,7 @@ class SessionCore:
         """The endpointer's own hangover: with learned turn-taking it is the long one, and the
         core ends complete turns earlier (`_maybe_end_early`)."""
         o = self.options
-        if getattr(self, "turn_taking", False):
+        if self.turn_taking:
             return max(o.incomplete_turn_silence_ms, o.end_of_turn_silence_ms)
         return o.end_of_turn_silence_ms
 
@@ -517,7 +514,7 @@ class SessionCore:
         seg.pending = []
         seg.last_transcribed = seg.total_samples
         self._submit(
-            "asr", "asr.partial", seg.asr_state, self.stages.asr_chunk(chunk, True, False),
+            "asr", "asr.partial", seg.asr_state, AsrChunk(chunk, transcribe=True, final=False),
             self.budgets["asr.partial"], tag=(seg.sid, False, seg.total_samples),
         )
 
@@ -526,7 +523,7 @@ class SessionCore:
         wait behind a partial that is still in flight (with two bulk workers they overlap)."""
         if "asr.final" in self._busy:
             return  # _on_asr asks again when the one in flight returns, if it does not cover enough
-        if getattr(self.stages.asr, "streaming", False):
+        if self.stages.asr_streaming:
             # a streaming ASR finishes from the partials' state: only the audio since the last partial
             # and the flush. Its state is not kept (partials go on from the pre-final state and the
             # pending audio is not consumed), so a user who goes on after a speculative final loses nothing.
@@ -534,13 +531,13 @@ class SessionCore:
                 return  # the partial in flight carries the state; _on_asr asks again when it returns
             chunk = np.concatenate(seg.pending) if seg.pending else np.zeros(0, dtype=np.float32)
             self._submit(
-                "asr", "asr.final", seg.asr_state, self.stages.asr_chunk(chunk, True, True),
+                "asr", "asr.final", seg.asr_state, AsrChunk(chunk, transcribe=True, final=True),
                 self.budgets["asr.final"], tag=(seg.sid, True, seg.total_samples),
             )
             return
         audio = np.concatenate(seg.audio) if seg.audio else np.zeros(0, dtype=np.float32)
         self._submit(
-            "asr", "asr.final", self.stages.asr.init_state(), self.stages.asr_chunk(audio, True, True),
+            "asr", "asr.final", self.stages.asr.init_state(), AsrChunk(audio, transcribe=True, final=True),
             self.budgets["asr.final"], tag=(seg.sid, True, seg.total_samples),
         )
 
@@ -555,7 +552,7 @@ class SessionCore:
         if self.response is not None and not self.response.committed:
             self.response = None
 
-    def _on_asr(self, job: Job, out: Any, state: Any) -> None:
+    def _on_asr(self, job: Job, out: AsrResult | None, state: Any) -> None:
         seg_id, final, covered = job.tag
         seg = self.segment
         if seg is None or seg.sid != seg_id:
@@ -563,13 +560,13 @@ class SessionCore:
             return
         if not final:
             seg.asr_state = state
-        text = str(getattr(out, "text", "") or "").strip() if out is not None else ""
+        text = (out.text or "").strip() if out is not None else ""
         if covered > seg.spec_at and (final or covered >= seg.pause_at > 0 or seg.ended):
             # any transcript that covers the audio up to the pause can serve as the final one,
             # so a partial that returns after the user stopped is not transcribed twice
             seg.spec_final, seg.spec_at, seg.spec_ready = text, covered, self.clock()
         if not final:
-            seg.last_partial_cost = float(getattr(out, "compute_seconds", 0.0) or 0.0)
+            seg.last_partial_cost = out.compute_seconds if out is not None else 0.0
             self._decoder_end_of_utterance(seg, out)
             if text and text != seg.partial_text and not seg.ended:
                 seg.partial_text = text
@@ -591,18 +588,18 @@ class SessionCore:
         else:
             self._maybe_partial()
 
-    def _decoder_end_of_utterance(self, seg: Segment, out: Any) -> None:
+    def _decoder_end_of_utterance(self, seg: Segment, out: AsrResult) -> None:
         """A streaming ASR's end-of-utterance signal, alongside the VAD: once its decoder has heard
         no word for `eou_silence_ms` the turn pauses at the last word, even where the VAD still hears
         sound; the decoder's next words resume it (see duplex.core.endpointing)."""
         if not self.options.asr_end_of_utterance or seg.ended or out is None or not hasattr(out, "eou"):
             return
-        words = tuple(getattr(out, "words", ()) or ())
+        words = out.words
         if seg.overlap:
-            if getattr(out, "no_words", False) and seg.overlap_class is None:
+            if out.no_words and seg.overlap_class is None:
                 # sound over the answer with no word in it (a hum, a noisy room): not a barge-in
                 log.info("session %s turn %d: %.0f ms of sound over the answer with no word in it: the answer "
-                         "goes on", self.session_id, seg.turn_id, float(getattr(out, "trailing_silence_ms", 0.0)))
+                         "goes on", self.session_id, seg.turn_id, out.trailing_silence_ms)
                 seg.overlap_class = "noise"
                 self._resume_playout()
                 return
@@ -613,7 +610,7 @@ class SessionCore:
             if self.endpointer.decoder_silence(seg.start_sample + int(SR * float(words[-1].end))):
                 log.info("session %s turn %d: the ASR decoder heard no word for %.0f ms after %r while the VAD "
                          "still hears sound: pausing the turn at the last word", self.session_id, seg.turn_id,
-                         float(getattr(out, "trailing_silence_ms", 0.0)), words[-1].word)
+                         out.trailing_silence_ms, words[-1].word)
         elif not out.eou and words and self.endpointer.decoder_quiet_since is not None:
             for edge in self.endpointer.decoder_words(seg.start_sample + int(SR * float(words[-1].start))):
                 self._on_edge(edge)
@@ -704,8 +701,7 @@ class SessionCore:
         if self._want_overlap is not None:
             sid, text, covered = self._want_overlap
             self._want_overlap = None
-            assert self.stages.overlap_step is not None
-            self._submit("llm", "llm.overlap", self._llm_state, self.stages.overlap_step(text),
+            self._submit("llm", "llm.overlap", self._llm_state, OverlapStep(text),
                          self.budgets["llm.step"], tag=("overlap", sid, covered))
             return
         resp = self.response
@@ -716,26 +712,23 @@ class SessionCore:
             if self._want_listen is not None and (resp is None or resp.llm_done or not resp.committed):
                 sid, text, covered, at_pause = self._want_listen
                 self._want_listen = None
-                assert self.stages.listen_step is not None
                 # at a pause the decision is urgent: only the drafter reads; the slow model catches up
                 # in the answer's first step (while they talk, both read slice by slice)
                 self._submit("llm", "llm.listen", self._llm_state,
-                             self.stages.listen_step(list(self.history), text, not at_pause, self.options.relay),
+                             ListenStep(list(self.history), text, not at_pause, self.options.relay),
                              self.budgets["llm.step"], tag=("listen", sid, covered, at_pause, text))
             return
         if not resp.llm_started:
-            if self.stages.respond_step is not None:
-                step = self.stages.respond_step(self._messages_for(resp), self.first_step_tokens, self.options.relay)
-            else:
-                step = self.stages.llm_step(self._messages_for(resp), self.first_step_tokens)
+            step = RespondStep(self._messages_for(resp), self.first_step_tokens, self.options.relay,
+                               phrase_words=self.stages.phrase_words)
             label = "llm.first"
         else:
-            step = self.stages.llm_step(None, self.step_tokens)
+            step = RespondStep(None, self.step_tokens)
             label = "llm.step"
         resp.llm_started = True
         self._submit("llm", label, self._llm_state, step, self.budgets[label], tag=resp.rid)
 
-    def _on_llm(self, job: Job, out: Any, state: Any) -> None:
+    def _on_llm(self, job: Job, out: ListenOutput | OverlapOutput | RespondOutput, state: Any) -> None:
         self._llm_state = state
         if isinstance(job.tag, tuple) and job.tag[0] == "listen":
             self._on_listen(job, out)
@@ -749,20 +742,21 @@ class SessionCore:
         if resp is None or resp.rid != job.tag:
             self._submit_llm()  # stale: a newer response may be waiting for the LLM
             return
-        delta = str(getattr(out, "text", "") or "")
+        assert isinstance(out, RespondOutput), type(out)
+        delta = out.text
         if job.label == "llm.first":
-            timings = getattr(out, "timings", {}) or {}
+            timings = out.timings
             log.info(
                 "session %s turn %d: llm prefill %s tokens in %.0f ms, first step %.0f ms, queued %.0f ms",
-                self.session_id, resp.turn_id, getattr(out, "prefill_tokens", "?"),
+                self.session_id, resp.turn_id, out.prefill_tokens,
                 1000 * timings.get("prefill_s", 0.0), 1000 * timings.get("total_s", 0.0),
                 1000 * (self.clock() - job.submitted) - 1000 * timings.get("total_s", 0.0),
             )
-        relay = getattr(out, "relay", None)
+        relay = out.relay
         if relay is not None and job.label == "llm.first":
             resp.relay = {"committed": bool(relay.committed), "p": round(float(relay.p_accept), 3),
-                          "threshold": round(float(getattr(relay, "threshold", 0.5)), 3),
-                          "veto": getattr(relay, "veto", None),
+                          "threshold": round(relay.threshold, 3),
+                          "veto": relay.veto,
                           "draft": relay.draft, "draft_ms": round(1000 * relay.draft_s, 1)}
         if delta:
             resp.marks.setdefault("first_llm_token", self.clock())
@@ -772,7 +766,7 @@ class SessionCore:
                 self._emit(ResponseTextDelta, turn_id=resp.turn_id, delta=delta)
             else:
                 resp.held_text.append(delta)
-        if bool(getattr(out, "done", False)):
+        if out.done:
             resp.llm_done = True
         self._submit_llm()
         self._submit_tts()
@@ -786,7 +780,7 @@ class SessionCore:
             return
         text, resp.tts_pending = resp.tts_pending, ""
         resp.tts_final_sent = final
-        self._submit("tts", "tts", resp.tts_state, self.stages.tts_input(text, final), self.budgets["tts"], tag=(resp.rid, final))
+        self._submit("tts", "tts", resp.tts_state, TtsInput(text, final), self.budgets["tts"], tag=(resp.rid, final))
 
     def _on_tts(self, job: Job, out: Any, state: Any) -> None:
         if job.tag[0] == "bc":
@@ -965,12 +959,13 @@ class SessionCore:
             self._listen(seg, text, seg.spec_at, at_pause=True)
 
     def _classify_overlap(self, seg: Segment) -> None:
-        if self.stages.overlap_step is None or not (seg.spec_final or "").strip():
+        if not self.turn_taking or not (seg.spec_final or "").strip():
             return
         self._want_overlap = (seg.sid, seg.spec_final or "", seg.spec_at)
         self._submit_llm()
 
-    def _on_listen(self, job: Job, out: Any) -> None:
+    def _on_listen(self, job: Job, out: ListenOutput | OverlapOutput | RespondOutput) -> None:
+        assert isinstance(out, ListenOutput), type(out)
         _, sid, covered, at_pause, text = job.tag
         seg = self.segment
         if seg is None or seg.sid != sid:
@@ -978,26 +973,20 @@ class SessionCore:
         seg.listened = text
         if not at_pause or seg.ended or not self.endpointer.paused or covered < seg.pause_at:
             return  # a slice while they talk: only the prefill mattered
-        probs = tuple(float(p) for p in getattr(out, "probs", (1.0, 0.0, 0.0)))
+        probs = tuple(float(p) for p in out.probs)
         p_listen, p_bc, p_speak = probs
-        timings = getattr(out, "timings", {}) or {}
+        timings = out.timings
         log.info("session %s turn %d: turn head at pause %.0f ms after it (transcript %.0f ms, listen %.0f ms "
                  "+ queue %.0f ms): %s", self.session_id, seg.turn_id,
                  1000 * (self.clock() - self._arrival_time(seg.start_sample + seg.pause_at)),
                  1000 * (seg.spec_ready - self._arrival_time(seg.start_sample + seg.pause_at)),
                  1000 * timings.get("total_s", 0.0),
                  1000 * (self.clock() - job.submitted) - 1000 * timings.get("total_s", 0.0), probs)
-        take = self.stages.take_threshold
-        if bare_interruption_cue(text):
+        assert self.stages.policy is not None  # listen jobs run only with turn-taking
+        if is_bare_cue(text):
             seg.decision = "listen"
-        elif take is not None:
-            seg.decision = "listen" if 1.0 - p_listen < take else "speak" if p_speak >= p_bc else "backchannel"
-        elif p_speak >= self.stages.speak_threshold:
-            seg.decision = "speak"
-        elif p_bc >= self.stages.backchannel_threshold and p_bc >= p_listen:
-            seg.decision = "backchannel"
         else:
-            seg.decision = "listen"
+            seg.decision = LABELS[self.stages.policy.decide_turn(probs)]
         self._emit(TurnDecision, turn_id=seg.turn_id, decision=seg.decision, text=text,
                    probs={"listen": round(p_listen, 3), "backchannel": round(p_bc, 3), "speak": round(p_speak, 3)})
         if seg.decision == "speak":
@@ -1010,14 +999,15 @@ class SessionCore:
                 self._start_response(seg.turn_id, seg.spec_final, committed=False)  # if they stop here
             self._maybe_end_early()
 
-    def _on_overlap(self, job: Job, out: Any) -> None:
+    def _on_overlap(self, job: Job, out: ListenOutput | OverlapOutput | RespondOutput) -> None:
+        assert isinstance(out, OverlapOutput), type(out)
         _, sid, covered = job.tag
         seg = self.segment
         if seg is None or seg.sid != sid or seg.overlap_class is not None:
             return
-        interrupt = bool(getattr(out, "interrupt", True))
+        interrupt = out.interrupt
         log.info("session %s turn %d: overlap %r -> %s (p=%.2f)", self.session_id, seg.turn_id,
-                 seg.spec_final, "interruption" if interrupt else "backchannel", getattr(out, "p_interrupt", -1.0))
+                 seg.spec_final, "interruption" if interrupt else "backchannel", out.p_interrupt)
         if interrupt:
             seg.overlap_class = "interruption"
             if self._speaking():
@@ -1062,7 +1052,7 @@ class SessionCore:
         if now - self._last_backchannel < o.backchannel_interval_ms / 1000:
             return
         self._last_backchannel = now
-        self._submit("tts", "tts", self.stages.tts.init_state(), self.stages.tts_input(self.stages.backchannel_text, True),
+        self._submit("tts", "tts", self.stages.tts.init_state(), TtsInput(self.stages.backchannel_text, True),
                      self.budgets["tts"], tag=("bc", next(self._bc_ids)))
 
     def _on_backchannel_audio(self, out: Any) -> None:

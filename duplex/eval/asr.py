@@ -28,8 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from duplex.base.audio import SAMPLE_RATE as SR
+
 log = logging.getLogger("duplex.eval.asr")
-SR = 16000
+
 PACKET = 1280  # 80 ms
 
 
@@ -97,7 +99,7 @@ def stream_utterance(stage: Any, audio: np.ndarray, reference: str = "",
     """Final text, per-word delay (s) from the end of the word to its first appearance in a partial, and
     compute seconds. A word's end is the synthesiser's (`word_ends` of `reference`, for the final words
     an edit alignment pairs with equal reference words) or else the model's own CTC timestamp."""
-    from asr.moonshine import AsrChunk
+    from duplex.base.messages import AsrChunk
 
     state = stage.init_state()
     first_seen: dict[int, float] = {}

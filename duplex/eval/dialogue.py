@@ -97,7 +97,7 @@ def eval_turns_text(stage: Any, examples: list[dict[str, Any]], speak_thr: float
                     progress: bool, take_thr: float | None = None) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    from dialogue.engine import ListenStep, OverlapStep
+    from duplex.base.messages import ListenStep, OverlapStep
 
     pairs: list[tuple[int, int]] = []
     overlap_ok: list[bool] = []
@@ -120,9 +120,8 @@ def eval_turns_speech(stage: Any, asr: Any, examples: list[dict[str, Any]], n: i
     """Speak the words with hibari, transcribe them with the profile's ASR, then listen."""
     from tqdm.auto import tqdm
 
-    from asr.moonshine import AsrChunk
     from codec.resample import resample
-    from dialogue.engine import ListenStep
+    from duplex.base.messages import AsrChunk, ListenStep
     from tts.hibari_tts import SAMPLE_RATE, HibariSynth
 
     rng = random.Random(seed)
@@ -159,9 +158,8 @@ def run_answer(stage: Any, tts: Any, history: list[dict[str, str]], text: str, r
     """One answer as the live service gives it: listen (prefill), then respond until the TTS has
     the first audio (onset), then to the end. `commit` forces the relay's decision (None: the
     verifier decides)."""
-    from dialogue.engine import ListenStep, RespondStep
+    from duplex.base.messages import ListenStep, RespondStep, TtsInput
     from duplex.base.phrases import first_phrase_ready
-    from tts.hibari_tts import TtsInput
 
     words = int(getattr(getattr(tts, "segmenter", None), "first_phrase_words", 3))
     state = stage.init_state()

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from duplex.base.config import Profile, SessionOptions, load_profile
+from duplex.base.messages import AsrChunk, ListenStep, RespondStep, TtsInput
 from duplex.core.session import SR, SessionCore, Stages
 from duplex.runtime.executor import DeviceExecutor
 
@@ -24,10 +25,9 @@ class CapacityError(RuntimeError):
 
 def build_stages(profile: Profile, progress: bool = True) -> Stages:
     """Load the real stages a profile names (this imports the model packages)."""
-    from asr.moonshine import AsrChunk
     from asr.vad import load_vad_stage
-    from dialogue.engine import ListenStep, OverlapStep, RespondStep, load_dialogue_stage
-    from tts.hibari_tts import TtsInput, load_tts_stage
+    from dialogue.engine import load_dialogue_stage
+    from tts.hibari_tts import load_tts_stage
 
     backends = {name: c.backend for name, c in profile.components.items()}
     expected = {"vad": ("silero-onnx",), "asr": ("moonshine", "nemo-streaming"), "llm": ("transformers-gguf", "openai-chat"),
@@ -45,25 +45,15 @@ def build_stages(profile: Profile, progress: bool = True) -> Stages:
     drafter = profile.components.get("drafter")
     llm = load_dialogue_stage(profile.component("llm"), drafter, progress=progress)
     log.info("stages loaded in %.1f s", time.perf_counter() - t0)
-    turn = llm.listens
-    policy = llm.policy
-    words = int(tts.segmenter.first_phrase_words)
     return Stages(
         vad=vad,
         asr=asr,
         llm=llm,
         tts=tts,
-        asr_chunk=lambda samples, transcribe, final: AsrChunk(samples=samples, transcribe=transcribe, final=final),
-        llm_step=lambda messages, max_tokens: RespondStep(messages=messages, max_tokens=max_tokens),
-        tts_input=lambda text, final: TtsInput(text=text, final=final),
-        # with the relay on, the drafter also prefills the end of the turn after each slice
-        listen_step=(lambda messages, text, slow, relay: ListenStep(messages, text, slow, relay)) if turn else None,
-        overlap_step=(lambda text: OverlapStep(text)) if turn else None,
+        asr_streaming=asr.streaming,
+        policy=llm.policy if llm.listens else None,
         # the first step decodes until the TTS can speak (its first phrase), not a fixed token count
-        respond_step=lambda messages, max_tokens, relay: RespondStep(messages, max_tokens, relay, phrase_words=words),
-        speak_threshold=float(getattr(policy, "speak_threshold", 0.5)),
-        backchannel_threshold=float(getattr(policy, "backchannel_threshold", 0.5)),
-        take_threshold=getattr(policy, "take_threshold", None),
+        phrase_words=int(tts.segmenter.first_phrase_words),
     )
 
 
@@ -86,16 +76,16 @@ def warm_up(stages: Stages) -> dict[str, float]:
     times["vad"] = time.perf_counter() - t
     t = time.perf_counter()
     noise = (0.01 * np.random.default_rng(0).standard_normal(SR)).astype(np.float32)
-    stages.asr.step(stages.asr.init_state(), stages.asr_chunk(noise, True, True))
+    stages.asr.step(stages.asr.init_state(), AsrChunk(noise, transcribe=True, final=True))
     times["asr"] = time.perf_counter() - t
     t = time.perf_counter()
     state = stages.llm.init_state()
-    if stages.listen_step is not None:
-        stages.llm.step(state, stages.listen_step([], "Hi there", True, None))
-    stages.llm.step(state, stages.llm_step([{"role": "user", "content": "Hi there."}], 2))
+    if stages.policy is not None:
+        stages.llm.step(state, ListenStep([], "Hi there", True, None))
+    stages.llm.step(state, RespondStep([{"role": "user", "content": "Hi there."}], 2))
     times["llm"] = time.perf_counter() - t
     t = time.perf_counter()
-    stages.tts.step(stages.tts.init_state(), stages.tts_input("Hello there.", True))
+    stages.tts.step(stages.tts.init_state(), TtsInput("Hello there.", True))
     times["tts"] = time.perf_counter() - t
     return times
 

@@ -16,7 +16,21 @@ from typing import Any
 
 import numpy as np
 
+from duplex.base.messages import (
+    AsrChunk,
+    AsrResult,
+    ListenOutput,
+    ListenStep,
+    OverlapOutput,
+    OverlapStep,
+    RespondOutput,
+    RespondStep,
+    TtsChunk,
+    TtsInput,
+    Word,
+)
 from duplex.base.stage import SequentialBatchMixin
+from duplex.base.turn_policy import TurnPolicy
 from duplex.core.jobs import Job
 from duplex.core.session import SR, SessionCore, Stages
 
@@ -112,54 +126,24 @@ class EnergyVad(SequentialBatchMixin[EnergyVadState, np.ndarray, list[tuple[int,
         return out, EnergyVadState(buf[pos:].copy(), state.consumed)
 
 
-@dataclass(frozen=True)
-class FakeAsrChunk:
-    samples: np.ndarray
-    transcribe: bool
-    final: bool
-
-
-@dataclass(frozen=True)
-class FakeAsrOutput:
-    text: str
-    is_final: bool
-    audio_seconds: float
-    compute_seconds: float = 0.0
-
-
 @dataclass
 class ToneAsrState:
     audio: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
 
 
-class ToneAsr(SequentialBatchMixin[ToneAsrState, FakeAsrChunk, FakeAsrOutput | None]):
+class ToneAsr(SequentialBatchMixin[ToneAsrState, AsrChunk, AsrResult | None]):
     kind = "asr"
 
     def init_state(self) -> ToneAsrState:
         return ToneAsrState()
 
-    def step(self, state: ToneAsrState, chunk: FakeAsrChunk) -> tuple[FakeAsrOutput | None, ToneAsrState]:
+    def step(self, state: ToneAsrState, chunk: AsrChunk) -> tuple[AsrResult | None, ToneAsrState]:
         audio = np.concatenate([state.audio, chunk.samples])
         new = ToneAsrState(audio)
         if not chunk.transcribe:
             return None, new
         text = " ".join(decode_tones(audio, SR))
-        return FakeAsrOutput(text, chunk.final, len(audio) / SR), new
-
-
-@dataclass(frozen=True)
-class FakeWord:
-    word: str
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class FakeStreamingAsrOutput(FakeAsrOutput):
-    words: tuple[FakeWord, ...] = ()
-    eou: bool = False
-    trailing_silence_ms: float = 0.0
-    no_words: bool = False
+        return AsrResult(text, chunk.final, len(audio) / SR), new
 
 
 class ToneStreamingAsr(ToneAsr):
@@ -174,31 +158,18 @@ class ToneStreamingAsr(ToneAsr):
         self.eou_s = eou_silence_ms / 1000
         self.chunk = int(SR * chunk_ms / 1000)
 
-    def step(self, state: ToneAsrState, chunk: FakeAsrChunk) -> tuple[FakeAsrOutput | None, ToneAsrState]:
+    def step(self, state: ToneAsrState, chunk: AsrChunk) -> tuple[AsrResult | None, ToneAsrState]:
         audio = np.concatenate([state.audio, chunk.samples])
         new = ToneAsrState(audio)
         if not chunk.transcribe:
             return None, new
         seen = audio if chunk.final else audio[: len(audio) // self.chunk * self.chunk]
-        words = tuple(FakeWord(w, a, b) for w, a, b in decode_tone_words(seen, SR, tonal_only=True))
+        words = tuple(Word(w, a, b) for w, a, b in decode_tone_words(seen, SR, tonal_only=True))
         trailing = len(seen) / SR - (words[-1].end if words else 0.0)
-        return FakeStreamingAsrOutput(
+        return AsrResult(
             " ".join(w.word for w in words), chunk.final, len(audio) / SR, words=words,
             eou=bool(words) and trailing >= self.eou_s, trailing_silence_ms=round(1000 * trailing, 1),
             no_words=not words and trailing >= self.eou_s), new
-
-
-@dataclass(frozen=True)
-class FakeLlmStep:
-    messages: list[dict[str, str]] | None
-    max_tokens: int
-
-
-@dataclass(frozen=True)
-class FakeLlmOutput:
-    text: str
-    done: bool
-    n_tokens: int
 
 
 @dataclass
@@ -209,7 +180,7 @@ class ScriptedLlmState:
     prompts: int = 0  # how many times a prompt was (re)built: the test checks context handling
 
 
-class ScriptedLlm(SequentialBatchMixin[ScriptedLlmState, FakeLlmStep, FakeLlmOutput]):
+class ScriptedLlm(SequentialBatchMixin[ScriptedLlmState, RespondStep, RespondOutput]):
     """Replies with `reply_fn(history)` one word per token; records the context it was given."""
 
     kind = "llm"
@@ -221,7 +192,7 @@ class ScriptedLlm(SequentialBatchMixin[ScriptedLlmState, FakeLlmStep, FakeLlmOut
     def init_state(self) -> ScriptedLlmState:
         return ScriptedLlmState()
 
-    def step(self, state: ScriptedLlmState, chunk: FakeLlmStep) -> tuple[FakeLlmOutput, ScriptedLlmState]:
+    def step(self, state: ScriptedLlmState, chunk: RespondStep) -> tuple[RespondOutput, ScriptedLlmState]:
         if chunk.messages is not None:
             msgs = [dict(m) for m in chunk.messages]
             self.seen.append(msgs)
@@ -230,19 +201,7 @@ class ScriptedLlm(SequentialBatchMixin[ScriptedLlmState, FakeLlmStep, FakeLlmOut
         pos = state.pos + len(words)
         text = "".join((" " if (state.pos + i) else "") + w for i, w in enumerate(words))
         new = ScriptedLlmState(state.context, state.reply, pos, state.prompts)
-        return FakeLlmOutput(text, pos >= len(state.reply), len(words)), new
-
-
-@dataclass(frozen=True)
-class FakeTtsInput:
-    text: str
-    final: bool
-
-
-@dataclass(frozen=True)
-class FakeTtsChunk:
-    audio: np.ndarray
-    text: str
+        return RespondOutput(text, pos >= len(state.reply), len(words)), new
 
 
 @dataclass
@@ -250,7 +209,7 @@ class ToneTtsState:
     pending: str = ""
 
 
-class ToneTts(SequentialBatchMixin[ToneTtsState, FakeTtsInput, list[FakeTtsChunk]]):
+class ToneTts(SequentialBatchMixin[ToneTtsState, TtsInput, list[TtsChunk]]):
     """Speaks each complete word as a tone at 24 kHz, one chunk per word."""
 
     kind = "tts"
@@ -258,14 +217,14 @@ class ToneTts(SequentialBatchMixin[ToneTtsState, FakeTtsInput, list[FakeTtsChunk
     def init_state(self) -> ToneTtsState:
         return ToneTtsState()
 
-    def step(self, state: ToneTtsState, chunk: FakeTtsInput) -> tuple[list[FakeTtsChunk], ToneTtsState]:
+    def step(self, state: ToneTtsState, chunk: TtsInput) -> tuple[list[TtsChunk], ToneTtsState]:
         text = state.pending + chunk.text
         if chunk.final:
             ready, rest = text, ""
         else:
             cut = text.rfind(" ")
             ready, rest = (text[:cut], text[cut:]) if cut >= 0 else ("", text)
-        chunks = [FakeTtsChunk(tone_speech(w, OUT_SR), w) for w in ready.split() if w in VOCAB]
+        chunks = [TtsChunk(tone_speech(w, OUT_SR), w) for w in ready.split() if w in VOCAB]
         return chunks, ToneTtsState(rest)
 
 
@@ -288,9 +247,6 @@ def fake_stages(reply_fn: Callable[[list[dict[str, str]]], str]) -> Stages:
         asr=ToneAsr(),
         llm=ScriptedLlm(reply_fn),
         tts=ToneTts(),
-        asr_chunk=FakeAsrChunk,
-        llm_step=FakeLlmStep,
-        tts_input=FakeTtsInput,
     )
 
 
@@ -319,37 +275,6 @@ def scripted_overlap(text: str) -> float:
     return 0.05 if words and all(w in BACKCHANNEL_WORDS for w in words) else 0.95
 
 
-@dataclass(frozen=True)
-class FakeListenStep:
-    messages: list[dict[str, str]]
-    text: str
-    prefill_slow: bool = True
-    preclose: bool | None = None
-
-
-@dataclass(frozen=True)
-class FakeOverlapStep:
-    text: str
-
-
-@dataclass(frozen=True)
-class FakeRespondStep:
-    messages: list[dict[str, str]] | None
-    max_tokens: int
-    relay: bool = True
-
-
-@dataclass(frozen=True)
-class FakeListenOutput:
-    probs: tuple[float, float, float]
-
-
-@dataclass(frozen=True)
-class FakeOverlapOutput:
-    p_interrupt: float
-    interrupt: bool
-
-
 class ScriptedTurnLlm(ScriptedLlm):
     """ScriptedLlm that also listens (scripted turn head) and classifies overlapping speech."""
 
@@ -366,15 +291,15 @@ class ScriptedTurnLlm(ScriptedLlm):
         self.relays: list[bool] = []  # the relay flag of every answer
 
     def step(self, state: ScriptedLlmState, chunk: Any) -> tuple[Any, ScriptedLlmState]:
-        if isinstance(chunk, FakeListenStep):
+        if isinstance(chunk, ListenStep):
             self.listened.append(chunk.text)
-            return FakeListenOutput(self.turn_fn(chunk.text)), state
-        if isinstance(chunk, FakeOverlapStep):
+            return ListenOutput(self.turn_fn(chunk.text)), state
+        if isinstance(chunk, OverlapStep):
             p = self.overlap_fn(chunk.text)
-            return FakeOverlapOutput(p, p >= 0.5), state
-        if isinstance(chunk, FakeRespondStep) and chunk.messages is not None:
+            return OverlapOutput(p, p >= 0.5), state
+        if chunk.messages is not None:
             self.relays.append(chunk.relay)
-        return super().step(state, FakeLlmStep(chunk.messages, chunk.max_tokens))
+        return super().step(state, chunk)
 
 
 def fake_turn_stages(
@@ -389,14 +314,8 @@ def fake_turn_stages(
         asr=asr or ToneAsr(),
         llm=ScriptedTurnLlm(reply_fn, turn_fn, overlap_fn),
         tts=ToneTts(),
-        asr_chunk=FakeAsrChunk,
-        llm_step=FakeLlmStep,
-        tts_input=FakeTtsInput,
-        listen_step=FakeListenStep,
-        overlap_step=FakeOverlapStep,
-        respond_step=FakeRespondStep,
-        speak_threshold=0.5,
-        backchannel_threshold=0.5,
+        asr_streaming=isinstance(asr, ToneStreamingAsr),
+        policy=TurnPolicy(speak_threshold=0.5, backchannel_threshold=0.5),
         backchannel_text="yes",
     )
 

@@ -1,0 +1,48 @@
+"""The turn-taking rule: from the turn head's probabilities to LISTEN / BACKCHANNEL / SPEAK, and from the
+overlap head's P(interruption) to stop or go on. One rule, used by the session core, the dialogue engine,
+the training recipes and the evaluation; its thresholds ship with the heads' weights."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+LISTEN, BACKCHANNEL, SPEAK = 0, 1, 2
+LABELS = ("listen", "backchannel", "speak")
+
+
+@dataclass
+class TurnPolicy:
+    """Decision thresholds, tuned on validation data at training time and shipped in the metadata.
+
+    The session core calls `decide_turn` at each pause; training and evaluation tune the thresholds. With a `take_threshold` (heads trained
+    since 2026-11-25 evening): the turn is taken if 1 - P(listen) >= take_threshold, as SPEAK if
+    P(speak) >= P(backchannel), else as BACKCHANNEL ("mm-hmm", then answer if they do not go on); else
+    LISTEN. Without one (older heads): SPEAK if P(speak) >= speak_threshold, else BACKCHANNEL if
+    P(backchannel) >= backchannel_threshold and >= P(listen), else LISTEN. The take rule does not
+    leave a finished statement that is half "mm-hmm" point, half answer point ("I live in Paris.":
+    listen 0.03, backchannel 0.51, speak 0.46) unanswered because neither class alone is sure.
+    """
+
+    speak_threshold: float = 0.5
+    backchannel_threshold: float = 0.5
+    interrupt_threshold: float = 0.5
+    take_threshold: float | None = None
+
+    def decide_turn(self, probs: Sequence[float] | Any) -> int:
+        """LISTEN, BACKCHANNEL or SPEAK for one turn-head output (p_listen, p_backchannel, p_speak)."""
+        p_listen, p_bc, p_speak = (float(p) for p in probs)
+        if self.take_threshold is not None:
+            if 1.0 - p_listen < self.take_threshold:
+                return LISTEN
+            return SPEAK if p_speak >= p_bc else BACKCHANNEL
+        if p_speak >= self.speak_threshold:
+            return SPEAK
+        if p_bc >= self.backchannel_threshold and p_bc >= p_listen:
+            return BACKCHANNEL
+        return LISTEN
+
+    def decide_overlap(self, p_interrupt: float | Any) -> bool:
+        """True: the user interrupts (stop talking); False: a backchannel (go on)."""
+        return float(p_interrupt) >= self.interrupt_threshold
