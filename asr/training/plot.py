@@ -1,6 +1,6 @@
 """Plot a streaming-ASR training run from its logs: losses and held-out WER against step.
 
-    python -m asr.training.plot runs/asr_train*.log --out docs/asr-training.png
+    python -m asr.training.plot runs/asr_train*.log --out docs/results/asr-training.png
 
 Reads the lines `python -m asr.training.train_streaming` prints ("step N ctc X align Y phone Z ..." and
 "step N held-out WER {...}"); a resumed run's logs are read in the order given, a later value of a
