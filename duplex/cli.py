@@ -68,7 +68,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _talk(args: argparse.Namespace) -> int:
-    from clients.talk import run
+    from clients.talk.cli import run
 
     return run(args)
 
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_serve)
 
     t = sub.add_parser("talk", help="talk to a server from this terminal: microphone, speaker, live transcript")
-    from clients.talk import add_arguments as add_talk_arguments
+    from clients.talk.cli import add_arguments as add_talk_arguments
 
     add_talk_arguments(t)
     t.set_defaults(func=_talk)

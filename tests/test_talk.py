@@ -18,8 +18,13 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from clients import talk
-from clients.talk import LiveTalk, Screen, TalkError, Timeline, talk_files, unheard
+from clients.talk import cli as talk_cli
+from clients.talk.conversation import Conversation
+from clients.talk.errors import TalkError
+from clients.talk.file_mode import talk_files
+from clients.talk.live import LiveTalk
+from clients.talk.screen import Screen, unheard
+from clients.talk.timeline import Timeline
 from duplex.base.config import load_profile
 from duplex.core.session import SR
 from duplex.runtime.service import DuplexService, ServiceLimits
@@ -148,7 +153,7 @@ async def test_file_mode_reports_a_server_that_goes_away(server, tmp_path):
 def test_screen_redraws_partials_and_strikes_unheard_words():
     lines: list[str] = []
     screen = Screen(types.SimpleNamespace(write=lines.append, flush=lambda: None), tty=True)
-    conv = talk.Conversation(screen, locate=lambda ms: ms / 1000, on_interrupt=lambda: None)
+    conv = Conversation(screen, locate=lambda ms: ms / 1000, on_interrupt=lambda: None)
     for ev in [{"type": "transcript.partial", "turn_id": 1, "text": "tell me"},
                {"type": "transcript.partial", "turn_id": 1, "text": "tell me a story"},
                {"type": "transcript.final", "turn_id": 1, "text": "tell me a story"},
@@ -175,7 +180,7 @@ def free_port() -> int:
 
 def cli_args(**kw: Any) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    talk.add_arguments(p)
+    talk_cli.add_arguments(p)
     argv = []
     for k, v in kw.items():
         flag = "--" + k.replace("_", "-")
@@ -186,7 +191,7 @@ def cli_args(**kw: Any) -> argparse.Namespace:
 def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
     sf.write(tmp_path / "q.wav", speech(0.1, "hello"), SR)
     dead = f"ws://127.0.0.1:{free_port()}/v1/duplex"
-    code = talk.run(cli_args(input_wav=tmp_path / "q.wav", output_wav=tmp_path / "a.wav", server=dead))
+    code = talk_cli.run(cli_args(input_wav=tmp_path / "q.wav", output_wav=tmp_path / "a.wav", server=dead))
     err = capsys.readouterr().err
     assert code == 2
     assert f"cannot reach the server at {dead}" in err and "duplex serve" in err and "Traceback" not in err
@@ -203,12 +208,12 @@ async def test_refused_options_and_capacity_are_clear_errors(server, tmp_path):
 
 
 def test_bad_arguments(tmp_path, capsys):
-    assert talk.run(cli_args(option="novalue")) == 2
-    assert talk.run(cli_args(output_wav=tmp_path / "a.wav")) == 2
-    assert talk.run(cli_args(input_wav=tmp_path / "missing.wav")) == 2
+    assert talk_cli.run(cli_args(option="novalue")) == 2
+    assert talk_cli.run(cli_args(output_wav=tmp_path / "a.wav")) == 2
+    assert talk_cli.run(cli_args(input_wav=tmp_path / "missing.wav")) == 2
     err = capsys.readouterr().err
     assert "KEY=VALUE" in err and "--output-wav needs --input-wav" in err and "cannot read" in err
-    assert talk.parse_options(["end_of_turn_silence_ms=700", "vad_threshold=0.6", "x=abc"]) == {
+    assert talk_cli.parse_options(["end_of_turn_silence_ms=700", "vad_threshold=0.6", "x=abc"]) == {
         "end_of_turn_silence_ms": 700, "vad_threshold": 0.6, "x": "abc"}
 
 
@@ -238,7 +243,7 @@ def test_missing_portaudio_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.delitem(sys.modules, "sounddevice", raising=False)
     monkeypatch.setattr(sys, "meta_path", [_NoPortAudio(), *sys.meta_path])
     for args in (cli_args(), cli_args(list_devices=True)):
-        assert talk.run(args) == 2
+        assert talk_cli.run(args) == 2
         err = capsys.readouterr().err
         assert err.strip() == ("duplex talk: PortAudio is not installed (sudo apt install libportaudio2 / brew "
                                "install portaudio); use --input-wav/--output-wav to run from files")
@@ -247,10 +252,10 @@ def test_missing_portaudio_is_a_clear_error(monkeypatch, capsys):
 def test_missing_device_names_it(monkeypatch, capsys):
     room = FakeRoom(inputs=False)
     monkeypatch.setitem(sys.modules, "sounddevice", fake_sounddevice(room))
-    assert talk.run(cli_args(input_device="USB Mic")) == 2
+    assert talk_cli.run(cli_args(input_device="USB Mic")) == 2
     err = capsys.readouterr().err
     assert "no input device 'USB Mic'" in err and "--list-devices" in err and "Traceback" not in err
-    assert talk.run(cli_args(list_devices=True)) == 0
+    assert talk_cli.run(cli_args(list_devices=True)) == 0
     assert "Fake Speaker" in capsys.readouterr().out
 
 
@@ -501,7 +506,7 @@ def test_ctrl_c_in_live_mode_closes_everything_and_exits_0(threaded_server, monk
         signal.raise_signal(signal.SIGINT)
 
     threading.Thread(target=press_ctrl_c, daemon=True).start()
-    code = talk.run(cli_args(server=url(threaded_server), option="end_of_turn_silence_ms=400"))
+    code = talk_cli.run(cli_args(server=url(threaded_server), option="end_of_turn_silence_ms=400"))
     out, err = capsys.readouterr()
     assert code == 0 and err == "" and "Traceback" not in out
     assert room.speaker_on is not None and all(s.closed for s in room.streams.values())
