@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
 from duplex.base.audio import SAMPLE_RATE
 
 DEFAULT_SERVER = "ws://127.0.0.1:8765/v1/duplex"
