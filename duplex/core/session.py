@@ -23,7 +23,6 @@ import bisect
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,12 +39,10 @@ from duplex.base.messages import (
     OverlapStep,
     RespondOutput,
     RespondStep,
-    TtsChunk,
     TtsInput,
 )
 from duplex.base.phrases import first_phrase_ready
-from duplex.base.stage import StreamingStage
-from duplex.base.turn_policy import LABELS, TurnPolicy
+from duplex.base.turn_policy import LABELS
 from duplex.core.endpointing import Edge, Endpointer
 from duplex.core.events import (
     CLIENT_INPUT_CLEAR,
@@ -73,84 +70,13 @@ from duplex.core.events import (
 )
 from duplex.core.jobs import Job
 from duplex.core.playout import Playout, heard_within
+from duplex.core.stages import Stages
+from duplex.core.turns import Response, Segment
 
 log = logging.getLogger("duplex.core.session")
 
 
 FRAME_SECONDS = 0.04  # output audio frame length
-
-@dataclass(frozen=True)
-class Stages:
-    """The stage objects a session uses (shared by all sessions; state lives in the core).
-
-    The core talks to them only through the typed messages of duplex/base/messages.py.
-    """
-
-    vad: StreamingStage[Any, Any, list[tuple[int, float]]]
-    asr: StreamingStage[Any, AsrChunk, AsrResult | None]
-    llm: StreamingStage[Any, Any, Any]  # ListenStep/OverlapStep/RespondStep -> their outputs
-    tts: StreamingStage[Any, TtsInput, list[TtsChunk]]
-    #: the ASR transcribes as the audio arrives (words with times, end-of-utterance); False: it
-    #: transcribes the whole segment on request (partials at intervals, a final at the pause)
-    asr_streaming: bool = False
-    #: learned turn-taking: the llm stage takes ListenStep and OverlapStep, and its heads decide by this
-    #: policy; None: fixed VAD hangover and VAD barge-in
-    policy: TurnPolicy | None = None
-    #: an answer's first step decodes until it holds a first phrase of this many words (the TTS's rule);
-    #: 0: a fixed number of tokens
-    phrase_words: int = 0
-    backchannel_text: str = "Mm-hmm."
-
-
-@dataclass
-class Response:
-    rid: int
-    turn_id: int
-    user_text: str
-    committed: bool = False
-    text: str = ""
-    llm_started: bool = False
-    llm_done: bool = False
-    tts_pending: str = ""  # text deltas not yet given to the TTS
-    tts_final_sent: bool = False
-    tts_done: bool = False
-    tts_state: Any = None
-    held_text: list[str] = field(default_factory=list)  # deltas produced while speculative
-    held_audio: list[Any] = field(default_factory=list)  # TTS chunks produced while speculative
-    audio_started: bool = False
-    marks: dict[str, float] = field(default_factory=dict)
-    relay: dict[str, Any] = field(default_factory=dict)  # what the relay did (first LLM step)
-
-
-@dataclass
-class Segment:
-    """The user's open speech segment (one user turn, possibly with pauses)."""
-
-    sid: int
-    turn_id: int
-    start_sample: int
-    asr_state: Any
-    audio: list[np.ndarray] = field(default_factory=list)  # the whole segment so far
-    pending: list[np.ndarray] = field(default_factory=list)  # audio not yet lent to the partial ASR
-    total_samples: int = 0  # samples in the segment so far
-    last_transcribed: int = 0  # total_samples at the last transcription request
-    partial_text: str = ""
-    spec_final: str | None = None  # latest full transcript of the segment
-    spec_at: int = -1  # total_samples that transcript covers
-    spec_ready: float = 0.0  # when it arrived
-    pause_at: int = 0  # total_samples at the current pause (speech end so far)
-    ended: bool = False
-    last_partial_cost: float = 0.0
-    marks: dict[str, float] = field(default_factory=dict)
-    # learned turn-taking
-    listened: str = ""  # the text last given to the turn head
-    decision: str | None = None  # at the current pause: "speak", "listen", "backchannel"
-    overlap: bool = False  # started while the service was speaking
-    overlap_class: str | None = None  # "backchannel", "interruption" or "noise" (no word in it), once known
-
-    def spec_valid(self) -> bool:
-        """The latest transcript covers all audio up to where the speech stopped."""
-        return self.spec_final is not None and self.spec_at >= self.pause_at
 
 
 class SessionCore:
@@ -588,11 +514,11 @@ class SessionCore:
         else:
             self._maybe_partial()
 
-    def _decoder_end_of_utterance(self, seg: Segment, out: AsrResult) -> None:
+    def _decoder_end_of_utterance(self, seg: Segment, out: AsrResult | None) -> None:
         """A streaming ASR's end-of-utterance signal, alongside the VAD: once its decoder has heard
         no word for `eou_silence_ms` the turn pauses at the last word, even where the VAD still hears
         sound; the decoder's next words resume it (see duplex.core.endpointing)."""
-        if not self.options.asr_end_of_utterance or seg.ended or out is None or not hasattr(out, "eou"):
+        if not (self.options.asr_end_of_utterance and self.stages.asr_streaming) or seg.ended or out is None:
             return
         words = out.words
         if seg.overlap:
@@ -1081,4 +1007,4 @@ def _slot(job: Job) -> str:
 
 
 def _pcm16(frame: np.ndarray) -> bytes:
-    return (np.clip(frame, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+    return bytes((np.clip(frame, -1.0, 1.0) * 32767.0).astype("<i2").tobytes())

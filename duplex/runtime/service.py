@@ -13,7 +13,8 @@ import numpy as np
 
 from duplex.base.config import Profile, SessionOptions, load_profile
 from duplex.base.messages import AsrChunk, ListenStep, RespondStep, TtsInput
-from duplex.core.session import SR, SessionCore, Stages
+from duplex.core.session import SR, SessionCore
+from duplex.core.stages import Stages
 from duplex.runtime.executor import DeviceExecutor
 
 log = logging.getLogger("duplex.runtime.service")

@@ -32,7 +32,8 @@ from duplex.base.messages import (
 from duplex.base.stage import SequentialBatchMixin
 from duplex.base.turn_policy import TurnPolicy
 from duplex.core.jobs import Job
-from duplex.core.session import SR, SessionCore, Stages
+from duplex.core.session import SR, SessionCore
+from duplex.core.stages import Stages
 
 VOCAB = (
     "what is the capital of france paris yes no stop two plus four hello how are you "
