@@ -10,6 +10,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import types
 import typing
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,7 +30,8 @@ from duplex.core.session import SessionCore
 from duplex.runtime.service import DuplexService, ServiceLimits
 from duplex.testing.fakes import decode_tones, fake_stages, scripted_answer, tone_speech
 from duplex.transports.native import DuplexServer, ServerSettings
-from duplex.transports.realtime import REALTIME_PATH, mount_realtime
+from duplex.transports.realtime import RealtimeSession, mount_realtime
+from duplex.transports.realtime_protocol import CLIENT_EVENTS, REALTIME_PATH
 
 RATE = 24000
 QUESTION = "what is the capital of france"
@@ -196,6 +198,11 @@ async def test_mount_is_idempotent(server):
     handler = server.extra_routes[REALTIME_PATH]
     mount_realtime(server)
     assert server.extra_routes[REALTIME_PATH] is handler
+
+
+async def test_every_client_event_the_protocol_accepts_has_a_handler(server):
+    session = RealtimeSession(server.service, types.SimpleNamespace(request=None))
+    assert sorted(session._handlers) == sorted(CLIENT_EVENTS)
 
 
 async def test_spoken_question_gets_the_full_event_sequence(server):

@@ -8,10 +8,11 @@ import pytest
 from codec.g711 import float_to_ulaw, ulaw_to_float
 from codec.pcm import float_to_pcm16, pcm16_to_float
 from duplex.base.config import load_profile
-from duplex.runtime.gateway import parse_host_port
 from duplex.runtime.service import CapacityError, DuplexService, ServiceLimits
 from duplex.testing.fakes import decode_tones, fake_stages, scripted_answer, tone_speech
-from duplex.transports.common import AudioFormatError, AudioIn, AudioOut, open_session
+from duplex.transports.common import open_session
+from duplex.transports.gateway import parse_host_port
+from duplex.transports.wire_audio import AudioFormatError, AudioIn, AudioOut
 
 
 def _in_frames(audio: np.ndarray, step: int) -> list[np.ndarray]:

@@ -27,7 +27,6 @@ from codec.g711 import (
     ulaw_to_float,
     ulaw_to_pcm16,
 )
-from codec.pcm import float_to_pcm16
 from codec.resample import resample
 from duplex.base.config import load_profile
 from duplex.core.events import (
@@ -41,20 +40,10 @@ from duplex.core.events import (
 )
 from duplex.runtime.service import DuplexService, ServiceLimits
 from duplex.testing.fakes import VOCAB, decode_tones, fake_stages, scripted_answer, tone_speech
-from duplex.testing.twilio_sim import TwilioPeer, twilio_signature
+from duplex.testing.twilio_sim import TwilioPeer
 from duplex.transports.native import DuplexServer, ServerSettings
-from duplex.transports.twilio import (
-    FRAME_BYTES,
-    TWILIO_PATH,
-    BadFrame,
-    MarkBook,
-    OutgoingAudio,
-    TwilioCall,
-    TwilioSettings,
-    mount_twilio,
-    signed_url,
-    url_variants,
-)
+from duplex.transports.twilio import TwilioCall, TwilioSettings, mount_twilio
+from duplex.transports.twilio_protocol import FRAME_BYTES, TWILIO_PATH
 
 STORY = scripted_answer([{"role": "user", "content": "tell me a story"}]).split()
 PARIS = "paris is the capital of france".split()
@@ -127,61 +116,6 @@ def test_tone_vocabulary_survives_8k_mulaw():
     speech = tone_speech(" ".join(VOCAB))
     wire = float_to_ulaw(resample(speech, 16000, 8000))
     assert decode_tones(ulaw_to_float(wire), 8000) == list(VOCAB)
-
-
-def test_outgoing_audio_repacketises_into_exact_20ms_payloads():
-    answer = tone_speech("paris is the capital of france", sr=24000)
-    out = OutgoingAudio(24000)
-    out.start(turn_id=3)
-    rng = np.random.default_rng(0)
-    payloads, i = [], 0
-    while i < len(answer):  # the core's frames, at odd sizes, so remainders must carry over
-        n = int(rng.integers(100, 2000))
-        payloads += out.encode(float_to_pcm16(answer[i : i + n]))
-        i += n
-    payloads += out.flush()
-    assert payloads and all(len(p) == FRAME_BYTES for p in payloads)
-    assert abs(len(payloads) * FRAME_BYTES - len(answer) / 3) < FRAME_BYTES
-    assert out.sent_ms == len(payloads) * 20 and out.turn_id == 3
-    assert decode_tones(ulaw_to_float(b"".join(payloads)), 8000) == PARIS
-    # barge-in: the partial frame of the old answer never leaks into the next one
-    assert len(out.encode(float_to_pcm16(answer[:700]))) == 1  # 233 bytes: one payload, 73 held
-    out.drop()
-    assert out.flush() == []
-    out.start(turn_id=4)
-    assert out.sent_ms == 0
-
-
-def test_mark_book_ignores_marks_dropped_by_clear():
-    book = MarkBook()
-    a, b, c = book.new(1, 40), book.new(1, 80), book.new(1, 120)
-    assert a.startswith("t1:40:") and len({a, b, c}) == 3
-    assert book.echoed(a) == (1, 40)
-    assert book.clear() == 2  # b and c were still queued at Twilio
-    d = book.new(2, 40)
-    assert book.echoed(b) is None and book.echoed(c) is None  # echoed at once after the clear: not heard
-    assert book.echoed(d) == (2, 40)
-    with pytest.raises(BadFrame, match="never sent"):
-        book.echoed(a)  # twice
-    with pytest.raises(BadFrame):
-        book.echoed("forged")
-
-
-def test_signature_and_signed_url():
-    # the example from Twilio's webhook-security docs (URL + sorted POST params; a WebSocket has none)
-    uri = "https://mycompany.com/myapp.php?foo=1&bar=2"
-    params = {"CallSid": "CA1234567890ABCDE", "Caller": "+14158675309", "Digits": "1234",
-              "From": "+14158675309", "To": "+18005551212"}
-    data = uri + "".join(k + params[k] for k in sorted(params))
-    assert tw.twilio_signature("12345", data) == "RSOYDt4T1cUTdK1PDd93/VVr8B8="
-    assert twilio_signature("12345", data) == "RSOYDt4T1cUTdK1PDd93/VVr8B8="  # the peer's own copy
-    assert signed_url(None, "h.example:8443", "/v1/twilio?a=1") == "wss://h.example:8443/v1/twilio?a=1"
-    assert signed_url("wss://v.example/", "ignored", "/v1/twilio") == "wss://v.example/v1/twilio"
-    assert signed_url("wss://v.example/v1/twilio", None, "/v1/twilio?a=1") == "wss://v.example/v1/twilio?a=1"
-    assert signed_url(None, None, "/v1/twilio") is None
-    assert url_variants("wss://v.example/v1/twilio") == ["wss://v.example/v1/twilio", "wss://v.example:443/v1/twilio"]
-    assert url_variants("wss://v.example:443/x") == ["wss://v.example:443/x", "wss://v.example/x"]
-    assert url_variants("wss://v.example:8443/x") == ["wss://v.example:8443/x"]
 
 
 # -- calls ------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ What it copies from Asterisk (apps/app_audiosocket.c, res/res_audiosocket.c):
 - a caller hanging up closes the socket (Asterisk does not send 0x00); `hangup(terminate=True)`
   sends 0x00 first, `abort()` resets the connection.
 
-The wire format is implemented here again, independently of `duplex.transports.audiosocket`, so a framing
+The wire format is implemented here again, independently of `duplex.transports.audiosocket_protocol`, so a framing
 bug on the server side cannot hide behind shared code.
 
 Usage::

@@ -8,8 +8,10 @@ and both sides exchange messages of `type (1 byte) | payload length (uint16, big
     0x11..0x18 audio at 12/16/24/32/44.1/48/96/192 kHz (newer Asterisk, channel driver only)
     0xff error (optional code from Asterisk, bit-packed)
 
-This module is a transport adapter like `duplex.transports.native`: it converts wire audio into session-core
-input and the core's 24 kHz output into 20 ms AudioSocket frames, and holds no dialogue logic.
+This module is the connection, a transport adapter like `duplex.transports.native`: it feeds the
+bytes Asterisk sends to `duplex.transports.audiosocket_protocol`'s parser, turns the messages into
+session-core input and the core's 24 kHz output into 20 ms AudioSocket frames, and holds no
+dialogue logic.
 The protocol has no authentication, so bind to a private address and, where possible, accept only
 the call UUIDs the dialplan uses (`allowed_uuids`). It also has no "clear": Asterisk writes every
 audio frame to the channel as it arrives, so on barge-in we can only stop sending; what is already
@@ -30,31 +32,37 @@ from collections.abc import Callable, Collection
 from duplex.core.events import DtmfReceived, Interrupted, ResponseDone, ServerEvent, SessionStarted
 from duplex.runtime.runner import Output, SessionRunner
 from duplex.runtime.service import CapacityError, DuplexService
-from duplex.transports.common import AudioIn, AudioOut, open_session
+from duplex.transports.audiosocket_protocol import (
+    AUDIO_KINDS,
+    DEFAULT_RATE,
+    KIND_AUDIO,
+    Audio,
+    AudioSocketParser,
+    CallUuid,
+    Dtmf,
+    ErrorReport,
+    FramingError,
+    Hangup,
+    Message,
+    TruncatedMessage,
+    Unknown,
+    audio_messages,
+    frame_bytes,
+    hangup_message,
+)
+from duplex.transports.common import open_session
+from duplex.transports.wire_audio import AudioIn, AudioOut
 
 log = logging.getLogger("duplex.transports.audiosocket")
 
-KIND_HANGUP = 0x00
-KIND_UUID = 0x01
-KIND_DTMF = 0x03
-KIND_AUDIO = 0x10  # slin, 8 kHz: what the AudioSocket() dialplan application always uses
-KIND_ERROR = 0xFF
-#: audio message types -> sample rate (0x11.. only in recent Asterisk releases, channel driver only)
-AUDIO_KINDS = {0x10: 8000, 0x11: 12000, 0x12: 16000, 0x13: 24000, 0x14: 32000, 0x15: 44100, 0x16: 48000,
-               0x17: 96000, 0x18: 192000}
-DEFAULT_RATE = 8000
 CORE_RATE = 24000  # the session core's output rate
-FRAME_MS = 20  # Asterisk's own frame size; we send exactly this much per audio message
-#: Asterisk's bit-packed error codes (res_audiosocket)
-ASTERISK_ERRORS = {0x01: "hangup of calling party", 0x02: "frame forwarding error", 0x04: "memory error"}
-DTMF_DIGITS = frozenset("0123456789*#ABCD")
 
 # Limits. Module constants rather than arguments: tests shorten them with monkeypatch.
 UUID_TIMEOUT_S = 5.0  # Asterisk sends the UUID immediately after connecting
-MAX_AUDIO_MS = 500  # an audio message longer than this is not Asterisk (it sends 20 ms): drop the call
 DRAIN_TIMEOUT_S = 5.0  # a peer that reads nothing for this long is stuck: drop the call
 WRITE_BUFFER_BYTES = 16 * 1024  # ~0.5 s of 8 kHz audio queued in asyncio before `send` waits
 SEND_BUFFER_BYTES = 32 * 1024  # kernel send buffer: real-time audio queued further is stale anyway
+READ_BYTES = 64 * 1024  # at most this much is read from the socket at once, then parsed
 MAX_WARNINGS = 10  # per call, so a peer sending garbage cannot flood the log
 CLOSE_GRACE_S = 2.0  # close(): how long calls get to end before their handlers are cancelled
 
@@ -70,11 +78,6 @@ class EndCall(Exception):
 
 class PeerStuck(ConnectionError):
     """The peer stopped reading: our bounded write path could not drain in time."""
-
-
-def encode(kind: int, payload: bytes = b"") -> bytes:
-    """One AudioSocket message."""
-    return bytes((kind,)) + len(payload).to_bytes(2, "big") + payload
 
 
 def is_loopback(host: str) -> bool:
@@ -107,7 +110,9 @@ class AudioSocketServer:
         self.service = service
         self.host = host
         self._port = port
-        self.allowed_uuids = None if allowed_uuids is None else frozenset(uuid.UUID(str(u)) for u in allowed_uuids)
+        self.allowed_uuids = (
+            None if allowed_uuids is None else frozenset(uuid.UUID(str(u)) for u in allowed_uuids)
+        )
         self.on_event = on_event
         self._server: asyncio.Server | None = None
         self._calls: dict[asyncio.Task[None], _Call] = {}
@@ -119,7 +124,8 @@ class AudioSocketServer:
             log.warning(
                 "AudioSocket on %s:%d accepts ANY call UUID and has no authentication: anyone who can reach "
                 "this port gets a session. Bind to a private address and pass --audiosocket-uuid.",
-                self.host, self.port,
+                self.host,
+                self.port,
             )
         log.info("AudioSocket listening on %s:%d", self.host, self.port)
 
@@ -188,7 +194,9 @@ class AudioSocketServer:
 class _Call:
     """One AudioSocket connection: reads Asterisk's messages, writes the session's audio back."""
 
-    def __init__(self, server: AudioSocketServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, server: AudioSocketServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         self.server = server
         self.reader = reader
         self.writer = writer
@@ -205,6 +213,7 @@ class _Call:
         self.audio_in = AudioIn(DEFAULT_RATE, "pcm16")
         self.audio_out = AudioOut(CORE_RATE, DEFAULT_RATE, "pcm16")
         self.pending = bytearray()  # resampled output not yet a whole 20 ms frame
+        self.parser = AudioSocketParser()
         self._tune_socket()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -218,7 +227,9 @@ class _Call:
         except EndCall as end:
             self._ended(end.reason)
             if end.hang_up:  # we end it: the peer misbehaved, or is not allowed, or we are full
-                log.warning("AudioSocket call %s from %s: %s; hanging up", self.call_uuid, self.peer, end.reason)
+                log.warning(
+                    "AudioSocket call %s from %s: %s; hanging up", self.call_uuid, self.peer, end.reason
+                )
                 self.hang_up(end.reason)
         except PeerStuck as exc:
             self._ended(str(exc))
@@ -228,7 +239,9 @@ class _Call:
         try:
             async with open_session(self.server.service, self._send) as runner:
                 self.session_id = runner.core.session_id
-                log.info("AudioSocket call %s from %s: session %s", self.call_uuid, self.peer, self.session_id)
+                log.info(
+                    "AudioSocket call %s from %s: session %s", self.call_uuid, self.peer, self.session_id
+                )
                 await self._serve(runner)
         except CapacityError as exc:
             raise EndCall(f"refused: {exc}") from None
@@ -242,7 +255,7 @@ class _Call:
             return
         self._ended(reason)
         with contextlib.suppress(Exception):
-            self.writer.write(encode(KIND_HANGUP))
+            self.writer.write(hangup_message())
         self.writer.close()
 
     async def finish(self) -> None:
@@ -253,9 +266,15 @@ class _Call:
                 await self.writer.wait_closed()
         log.info(
             "AudioSocket call %s (session %s) ended: %s; %d frames in, %d out, %.1f s%s",
-            self.call_uuid, self.session_id or "-", self.reason or "ended", self.frames_in, self.frames_out,
+            self.call_uuid,
+            self.session_id or "-",
+            self.reason or "ended",
+            self.frames_in,
+            self.frames_out,
             time.monotonic() - self.started,
-            f", {self.warnings - MAX_WARNINGS} more warnings not logged" if self.warnings > MAX_WARNINGS else "",
+            f", {self.warnings - MAX_WARNINGS} more warnings not logged"
+            if self.warnings > MAX_WARNINGS
+            else "",
         )
 
     def _tune_socket(self) -> None:
@@ -271,81 +290,77 @@ class _Call:
 
     # -- reading ---------------------------------------------------------------------------
 
-    async def _read_message(self) -> tuple[int, bytes]:
+    async def _read_message(self) -> Message:
         """The next message; EndCall when the peer hung up, vanished or broke the framing."""
-        kind, length = await self._read_header()
-        rate = AUDIO_KINDS.get(kind)
-        if rate is not None and length > rate * 2 * MAX_AUDIO_MS // 1000:
-            raise EndCall(f"protocol error: audio message of {length} bytes (> {MAX_AUDIO_MS} ms)")
-        return kind, await self._read_payload(length)
-
-    async def _read_header(self) -> tuple[int, int]:
-        header = await self._read_exactly(3, "peer closed the connection")
-        return header[0], int.from_bytes(header[1:3], "big")
-
-    async def _read_payload(self, length: int) -> bytes:
-        return await self._read_exactly(length, "truncated message") if length else b""
-
-    async def _read_exactly(self, n: int, at_eof: str) -> bytes:
-        try:
-            return await self.reader.readexactly(n)
-        except asyncio.IncompleteReadError as exc:
-            # EOF between messages is a hangup; EOF inside one is a truncated message: a hangup too
-            raise EndCall(at_eof if not exc.partial else "truncated message", False) from None
-        except (ConnectionError, OSError) as exc:
-            raise EndCall(f"connection lost: {exc!r}", False) from None
+        while True:
+            try:
+                message = self.parser.next_message()
+            except TruncatedMessage as exc:
+                raise EndCall(str(exc), False) from None
+            except FramingError as exc:
+                raise EndCall(str(exc)) from None
+            if message is not None:
+                return message
+            if self.parser.eof:
+                raise EndCall("peer closed the connection", False)
+            try:
+                data = await self.reader.read(READ_BYTES)
+            except (ConnectionError, OSError) as exc:
+                raise EndCall(f"connection lost: {exc!r}", False) from None
+            if data:
+                self.parser.feed(data)
+            else:
+                self.parser.feed_eof()
 
     async def _read_uuid(self) -> uuid.UUID:
         """The first message must be the call UUID; its header alone tells (garbage is not waited on)."""
         try:
             async with asyncio.timeout(UUID_TIMEOUT_S):
-                kind, length = await self._read_header()
-                if kind == KIND_HANGUP:
-                    raise EndCall("hangup before the call UUID", False)
-                if kind != KIND_UUID:
-                    raise EndCall(f"protocol error: message type 0x{kind:02x} before the call UUID")
-                if length != 16:
-                    raise EndCall(f"protocol error: call UUID of {length} bytes (expected 16)")
-                return uuid.UUID(bytes=await self._read_payload(length))
+                message = await self._read_message()
         except TimeoutError:
             raise EndCall(f"no call UUID within {UUID_TIMEOUT_S:g} s") from None
+        if isinstance(message, Hangup):
+            raise EndCall("hangup before the call UUID", False)
+        assert isinstance(message, CallUuid) and message.call_uuid is not None  # the parser checks the first
+        return message.call_uuid
 
     async def _serve(self, runner: SessionRunner) -> None:
         """Dispatch messages until the call ends; the session is freed by the caller."""
-        kind, payload = await self._read_message()
-        if kind in AUDIO_KINDS and kind != self.kind:
-            self._set_rate(kind)  # session.started reports the rate Asterisk actually sends
+        message = await self._read_message()
+        if isinstance(message, Audio) and message.kind != self.kind:
+            self._set_rate(message.kind)  # session.started reports the rate Asterisk actually sends
         self._emit_started(runner)
         while True:
-            self._dispatch(runner, kind, payload)
+            self._dispatch(runner, message)
             if runner.failed is not None:
                 raise PeerStuck(f"dropped: {runner.failed}")
-            kind, payload = await self._read_message()
+            message = await self._read_message()
 
-    def _dispatch(self, runner: SessionRunner, kind: int, payload: bytes) -> None:
-        if kind in AUDIO_KINDS:
-            self._on_audio(runner, kind, payload)
-        elif kind == KIND_HANGUP:
+    def _dispatch(self, runner: SessionRunner, message: Message) -> None:
+        if isinstance(message, Audio):
+            self._on_audio(runner, message)
+        elif isinstance(message, Hangup):
             raise EndCall("peer hung up", False)
-        elif kind == KIND_DTMF:
-            self._on_dtmf(runner, payload)
-        elif kind == KIND_ERROR:
-            self._on_error(payload)
-        elif kind == KIND_UUID:
+        elif isinstance(message, Dtmf):
+            self._on_dtmf(runner, message)
+        elif isinstance(message, ErrorReport):
+            self._on_error(message)
+        elif isinstance(message, CallUuid):
             self._warn("a second call UUID message; ignored")
         else:
-            self._warn(f"unknown message type 0x{kind:02x} ({len(payload)} bytes); skipped")
+            assert isinstance(message, Unknown)
+            self._warn(f"unknown message type 0x{message.kind:02x} ({len(message.payload)} bytes); skipped")
 
-    def _on_audio(self, runner: SessionRunner, kind: int, payload: bytes) -> None:
-        if kind != self.kind:
-            self._set_rate(kind)
-        if len(payload) % 2:
-            self._warn(f"audio message of {len(payload)} bytes: PCM16 needs an even byte count; dropped")
+    def _on_audio(self, runner: SessionRunner, audio: Audio) -> None:
+        if audio.kind != self.kind:
+            self._set_rate(audio.kind)
+        if len(audio.pcm) % 2:
+            self._warn(f"audio message of {len(audio.pcm)} bytes: PCM16 needs an even byte count; dropped")
             return
-        if not payload:
+        if not audio.pcm:
             return
         self.frames_in += 1
-        runner.feed_audio(self.audio_in.decode(payload))
+        runner.feed_audio(self.audio_in.decode(audio.pcm))
 
     def _set_rate(self, kind: int) -> None:
         """Audio at another rate (the channel driver uses the channel's slin format): follow it."""
@@ -357,23 +372,33 @@ class _Call:
         self.audio_out = AudioOut(CORE_RATE, rate, "pcm16")
         self.pending.clear()
 
-    def _on_dtmf(self, runner: SessionRunner, payload: bytes) -> None:
-        digit = payload.decode("ascii", "replace").upper() if len(payload) == 1 else ""
-        if digit not in DTMF_DIGITS:
-            self._warn(f"bad DTMF payload {payload[:8]!r}; ignored")
+    def _on_dtmf(self, runner: SessionRunner, dtmf: Dtmf) -> None:
+        digit = dtmf.digit
+        if digit is None:
+            self._warn(f"bad DTMF payload {dtmf.payload[:8]!r}; ignored")
             return
         core = runner.core
         log.info("AudioSocket call %s (session %s): DTMF %s", self.call_uuid, self.session_id, digit)
-        runner.emit(DtmfReceived(session_id=core.session_id, turn_id=core.turn_id, t=core.clock(),
-                                 digit=digit, source="audiosocket"))
+        runner.emit(
+            DtmfReceived(
+                session_id=core.session_id,
+                turn_id=core.turn_id,
+                t=core.clock(),
+                digit=digit,
+                source="audiosocket",
+            )
+        )
 
-    def _on_error(self, payload: bytes) -> None:
-        if not payload:
+    def _on_error(self, report: ErrorReport) -> None:
+        if report.code is None:
             log.warning("AudioSocket call %s: Asterisk reported an error (no code)", self.call_uuid)
             return
-        code = payload[0]
-        names = [name for bit, name in ASTERISK_ERRORS.items() if code & bit] or ["unknown"]
-        log.warning("AudioSocket call %s: Asterisk reported error 0x%02x (%s)", self.call_uuid, code, ", ".join(names))
+        log.warning(
+            "AudioSocket call %s: Asterisk reported error 0x%02x (%s)",
+            self.call_uuid,
+            report.code,
+            ", ".join(report.names),
+        )
 
     def _warn(self, message: str) -> None:
         self.warnings += 1
@@ -382,11 +407,17 @@ class _Call:
 
     def _emit_started(self, runner: SessionRunner) -> None:
         core = runner.core
-        runner.emit(SessionStarted(
-            session_id=core.session_id, turn_id=0, t=core.clock(), input_sample_rate=self.rate,
-            output_sample_rate=self.rate, profile=self.server.service.profile.name,
-            options={k: getattr(core.options, k) for k in core.options.CLIENT_SETTABLE},
-        ))
+        runner.emit(
+            SessionStarted(
+                session_id=core.session_id,
+                turn_id=0,
+                t=core.clock(),
+                input_sample_rate=self.rate,
+                output_sample_rate=self.rate,
+                profile=self.server.service.profile.name,
+                options={k: getattr(core.options, k) for k in core.options.CLIENT_SETTABLE},
+            )
+        )
 
     # -- writing (called by the runner's writer task, in output order) -----------------------
 
@@ -411,13 +442,13 @@ class _Call:
 
     async def _write_frames(self, whole: bool) -> None:
         """Send `pending` as exact 20 ms frames (a partial last one is zero-padded unless `whole`)."""
-        size = self.rate * FRAME_MS // 1000 * 2
+        size = frame_bytes(self.rate)
         if not whole and len(self.pending) % size:
             self.pending += bytes(size - len(self.pending) % size)
         n = len(self.pending) // size
         if n == 0 or self.writer.is_closing():
             return
-        data = b"".join(encode(self.kind, bytes(self.pending[i * size : (i + 1) * size])) for i in range(n))
+        data = audio_messages(self.kind, bytes(self.pending[: n * size]), size)
         del self.pending[: n * size]
         self.writer.write(data)
         self.frames_out += n
@@ -427,7 +458,11 @@ class _Call:
             async with asyncio.timeout(DRAIN_TIMEOUT_S):
                 await self.writer.drain()
         except TimeoutError:
-            log.warning("AudioSocket call %s: peer has not read for %.1f s; dropping it", self.call_uuid, DRAIN_TIMEOUT_S)
+            log.warning(
+                "AudioSocket call %s: peer has not read for %.1f s; dropping it",
+                self.call_uuid,
+                DRAIN_TIMEOUT_S,
+            )
             self._ended("peer stopped reading")
             self.writer.transport.abort()  # ends the read loop too; the session is freed there
             raise PeerStuck("peer stopped reading") from None

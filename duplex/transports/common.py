@@ -1,9 +1,11 @@
-"""What every transport adapter shares: a session bound to a runner, and wire-audio conversion.
+"""What every transport's connection shares: a session bound to a started runner.
 
 A transport adapter (native WebSocket, Twilio Media Streams, Asterisk AudioSocket, OpenAI
 Realtime) only translates: wire audio -> 16 kHz float32 for `SessionRunner.feed_audio`, wire
 control messages -> `SessionRunner.control` events, and the core's outputs (typed events and
-24 kHz PCM16 frames) -> wire messages. No dialogue logic lives in an adapter.
+24 kHz PCM16 frames) -> wire messages. No dialogue logic lives in an adapter. Wire-audio
+conversion, which needs no I/O, is in `duplex.transports.wire_audio`; what each wire looks like is
+in the transport's `*_protocol` module.
 """
 
 from __future__ import annotations
@@ -11,77 +13,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import numpy as np
-
-from codec.g711 import alaw_to_float, float_to_alaw, float_to_ulaw, ulaw_to_float
-from codec.pcm import float_to_pcm16, pcm16_to_float
-from codec.resample import LowLatencyResampler
-from duplex.core.session import SR
 from duplex.runtime.runner import Output, SessionRunner
 from duplex.runtime.service import DuplexService
-
-#: wire encodings: name -> bytes per sample
-ENCODINGS = {"pcm16": 2, "ulaw": 1, "alaw": 1}
-
-
-class AudioFormatError(ValueError):
-    """Wire audio that cannot be decoded (e.g. an odd byte count for PCM16)."""
-
-
-class AudioIn:
-    """Wire audio (`encoding` at `rate`) -> 16 kHz float32 for the session core, as a stream.
-
-    Resampling holds nothing back (`LowLatencyResampler`: ~1-2 ms group delay), so a transport
-    adds no buffering latency of its own."""
-
-    def __init__(self, rate: int, encoding: str = "pcm16") -> None:
-        if encoding not in ENCODINGS:
-            raise AudioFormatError(f"unknown audio encoding {encoding!r}; use one of {sorted(ENCODINGS)}")
-        self.rate = rate
-        self.encoding = encoding
-        self._resampler = None if rate == SR else LowLatencyResampler(rate, SR)
-        self._state = self._resampler.init_state() if self._resampler else None
-
-    def decode(self, payload: bytes) -> np.ndarray:
-        if self.encoding == "pcm16":
-            if len(payload) % 2:
-                raise AudioFormatError(f"audio of {len(payload)} bytes: PCM16 needs an even byte count")
-            x = pcm16_to_float(payload)
-        elif self.encoding == "ulaw":
-            x = ulaw_to_float(payload)
-        else:
-            x = alaw_to_float(payload)
-        if self._resampler is not None:
-            x, self._state = self._resampler.step(self._state, x)
-        return x
-
-
-class AudioOut:
-    """The core's PCM16 frames (at `source_rate`, 24 kHz) -> wire audio (`encoding` at `rate`)."""
-
-    def __init__(self, source_rate: int, rate: int, encoding: str = "pcm16") -> None:
-        if encoding not in ENCODINGS:
-            raise AudioFormatError(f"unknown audio encoding {encoding!r}; use one of {sorted(ENCODINGS)}")
-        self.rate = rate
-        self.encoding = encoding
-        self.bytes_per_sample = ENCODINGS[encoding]
-        self._resampler = None if rate == source_rate else LowLatencyResampler(source_rate, rate)
-        self._state = self._resampler.init_state() if self._resampler else None
-
-    def encode(self, pcm16: bytes) -> bytes:
-        x = pcm16_to_float(pcm16)
-        if self._resampler is not None:
-            x, self._state = self._resampler.step(self._state, x)
-        if self.encoding == "pcm16":
-            return float_to_pcm16(x)
-        if self.encoding == "ulaw":
-            return float_to_ulaw(x)
-        return float_to_alaw(x)
-
-    def reset(self) -> None:
-        """Forget the filter history (after a barge-in the next answer starts clean)."""
-        if self._resampler is not None:
-            self._state = self._resampler.init_state()
 
 
 @contextlib.asynccontextmanager

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from duplex.runtime.service import DuplexService
-from duplex.transports.native import NATIVE_PATH, DuplexServer, ServerSettings
+from duplex.transports.native import DuplexServer, ServerSettings
+from duplex.transports.native_protocol import NATIVE_PATH
 
 log = logging.getLogger("duplex.transports.gateway")
 

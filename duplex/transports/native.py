@@ -1,8 +1,9 @@
 """The WebSocket server: HTTP for the browser client and health, the native protocol at /v1/duplex.
 
-This module is a transport adapter: it converts wire messages (PCM16 binary frames at the client's
-rate, JSON control events) into session-core inputs and core outputs back into wire messages.
-It holds no dialogue logic. The protocol is documented in docs/protocol.md.
+This module is the native protocol's connection: it drives `duplex.transports.native_protocol`
+(what the messages look like and which are refused) over one WebSocket per session, feeding the
+session core and sending its outputs back. It holds no dialogue logic. The protocol is documented
+in docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from importlib import resources
-from typing import Any
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
@@ -22,29 +22,28 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from duplex.base.config import ConfigError
-from duplex.core.events import (
-    CLIENT_EVENT_TYPES,
-    CLIENT_SESSION_START,
-    ErrorEvent,
-    ServerEvent,
-    SessionStarted,
-)
-from duplex.core.session import SR
+from duplex.core.events import ErrorEvent, ServerEvent, SessionStarted
 from duplex.runtime.runner import SessionRunner
 from duplex.runtime.service import CapacityError, DuplexService
-from duplex.transports.common import AudioFormatError, AudioIn, open_session
+from duplex.transports.common import open_session
+from duplex.transports.native_protocol import (
+    CLOSE_OVERLOAD,
+    CLOSE_POLICY,
+    HEALTH_PATH,
+    MAX_FRAME_BYTES,
+    NATIVE_PATH,
+    STATS_PATH,
+    ProtocolError,
+    SessionStart,
+    decode_audio,
+    encode_event,
+    parse_text,
+    route_of,
+    static_name,
+)
+from duplex.transports.wire_audio import AudioIn
 
 log = logging.getLogger("duplex.transports.native")
-
-NATIVE_PATH = "/v1/duplex"
-SUPPORTED_RATES = (8000, 11025, 16000, 22050, 24000, 32000, 44100, 48000)
-MAX_FRAME_BYTES = 64 * 1024  # 0.68 s at 48 kHz; larger frames are refused by the library (1009)
-MAX_JSON_BYTES = 16 * 1024
-START_TIMEOUT_S = 30.0
-
-# WebSocket close codes used by the native protocol
-CLOSE_POLICY = 1008  # e.g. the client stopped reading its audio
-CLOSE_OVERLOAD = 1013  # try again later
 
 
 @dataclass
@@ -54,18 +53,12 @@ class ServerSettings:
     origins: tuple[str, ...] | None = None  # None: any origin (set it when exposed to the web)
 
 
-class ProtocolError(ValueError):
-    """A client message broke the protocol; `code` goes into the error event."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _static(name: str) -> tuple[bytes, str] | None:
-    base = resources.files("clients") / "web"
-    path = base / name
-    if "/" in name or name.startswith(".") or not path.is_file():
+def _static(route: str) -> tuple[bytes, str] | None:
+    name = static_name(route)
+    if name is None:
+        return None
+    path = resources.files("clients") / "web" / name
+    if not path.is_file():
         return None
     ctype = mimetypes.guess_type(name)[0] or "application/octet-stream"
     return path.read_bytes(), ctype
@@ -118,20 +111,23 @@ class DuplexServer:
     # -- HTTP ------------------------------------------------------------------------------
 
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        path = request.path.split("?", 1)[0]
-        if path == "/healthz":
-            return http_response(HTTPStatus.OK, json.dumps(self.service.health()).encode(), "application/json")
-        if path == "/stats":
+        path = route_of(request.path)
+        if path == HEALTH_PATH:
+            return http_response(
+                HTTPStatus.OK, json.dumps(self.service.health()).encode(), "application/json"
+            )
+        if path == STATS_PATH:
             return http_response(HTTPStatus.OK, json.dumps(self.service.stats()).encode(), "application/json")
         if path in (NATIVE_PATH, *self.extra_routes):
             if request.headers.get("Upgrade", "").lower() != "websocket":
                 return http_response(HTTPStatus.UPGRADE_REQUIRED, b"WebSocket endpoint\n", "text/plain")
             if self.service.full():
-                return http_response(HTTPStatus.SERVICE_UNAVAILABLE, b"server is at capacity, retry later\n", "text/plain")
+                return http_response(
+                    HTTPStatus.SERVICE_UNAVAILABLE, b"server is at capacity, retry later\n", "text/plain"
+                )
             check = self.extra_checks.get(path)
             return check(request) if check is not None else None
-        name = "index.html" if path == "/" else path.lstrip("/")
-        found = _static(name)
+        found = _static(path)
         if found is None:
             return http_response(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
         return http_response(HTTPStatus.OK, found[0], found[1])
@@ -139,7 +135,7 @@ class DuplexServer:
     # -- WebSocket -------------------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
-        path = ws.request.path.split("?", 1)[0] if ws.request else NATIVE_PATH
+        path = route_of(ws.request.path) if ws.request else NATIVE_PATH
         if path in self.extra_routes:
             await self.extra_routes[path](ws)
             return
@@ -150,7 +146,7 @@ class DuplexServer:
             if isinstance(item, bytes):
                 await ws.send(item)
             else:
-                await ws.send(json.dumps(item.to_wire()))
+                await ws.send(encode_event(item))
 
         try:
             async with open_session(self.service, send) as runner:
@@ -170,25 +166,25 @@ class DuplexServer:
         started = False
 
         def error(code: str, message: str) -> None:
-            runner.emit(ErrorEvent(session_id=sid, turn_id=core.turn_id, t=core.clock(), code=code, message=message))
+            runner.emit(
+                ErrorEvent(session_id=sid, turn_id=core.turn_id, t=core.clock(), code=code, message=message)
+            )
 
-        def begin(rate: int, options: dict[str, Any]) -> None:
+        def begin(start: SessionStart) -> None:
             nonlocal audio_in, started
-            if rate not in SUPPORTED_RATES:
-                raise ProtocolError("unsupported_sample_rate", f"sample_rate {rate!r} not supported; use one of {list(SUPPORTED_RATES)}")
-            if options:
+            if start.options:
                 try:
-                    core.configure(options)
+                    core.configure(start.options)
                 except ConfigError as exc:
                     raise ProtocolError("bad_option", str(exc)) from None
-            audio_in = AudioIn(rate)  # PCM16 at the client's rate -> 16 kHz, nothing held back
+            audio_in = AudioIn(start.sample_rate)  # PCM16 at the client's rate -> 16 kHz, nothing held back
             started = True
             runner.emit(
                 SessionStarted(
                     session_id=sid,
                     turn_id=0,
                     t=core.clock(),
-                    input_sample_rate=rate,
+                    input_sample_rate=start.sample_rate,
                     output_sample_rate=core.out_sr,
                     profile=self.service.profile.name,
                     options={k: getattr(core.options, k) for k in core.options.CLIENT_SETTABLE},
@@ -200,29 +196,17 @@ class DuplexServer:
                 try:
                     if isinstance(message, bytes):
                         if not started:
-                            begin(SR, {})  # audio first: the defaults (16 kHz)
+                            begin(SessionStart())  # audio first: the defaults (16 kHz)
                         assert audio_in is not None
-                        try:
-                            samples = audio_in.decode(message)
-                        except AudioFormatError as exc:
-                            raise ProtocolError("bad_audio", f"audio frame: {exc}") from None
-                        runner.feed_audio(samples)
+                        runner.feed_audio(decode_audio(audio_in, message))
                     else:
-                        event = self._parse(message)
-                        if event["type"] == CLIENT_SESSION_START:
-                            if started:
-                                raise ProtocolError("already_started", "session.start may only be sent once, first")
-                            rate = event.get("sample_rate", SR)
-                            if not isinstance(rate, int) or isinstance(rate, bool):
-                                raise ProtocolError("unsupported_sample_rate", "sample_rate must be an integer")
-                            options = event.get("options") or {}
-                            if not isinstance(options, dict):
-                                raise ProtocolError("bad_option", "options must be an object")
-                            begin(rate, options)
+                        parsed = parse_text(message, started=started)
+                        if isinstance(parsed, SessionStart):
+                            begin(parsed)
                         else:
                             if not started:
-                                begin(SR, {})
-                            runner.control(event)
+                                begin(SessionStart())
+                            runner.control(parsed.event)
                 except ProtocolError as exc:
                     error(exc.code, str(exc))
                 if runner.failed is not None:
@@ -230,18 +214,3 @@ class DuplexServer:
                     break
         except ConnectionClosed:
             pass
-
-    @staticmethod
-    def _parse(message: str) -> dict[str, Any]:
-        if len(message) > MAX_JSON_BYTES:
-            raise ProtocolError("too_large", f"JSON message of {len(message)} bytes exceeds {MAX_JSON_BYTES}")
-        try:
-            event = json.loads(message)
-        except json.JSONDecodeError as exc:
-            raise ProtocolError("bad_json", f"malformed JSON: {exc.msg} at position {exc.pos}") from None
-        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
-            raise ProtocolError("bad_event", 'a JSON message must be an object with a string "type"')
-        if event["type"] not in CLIENT_EVENT_TYPES:
-            raise ProtocolError("unknown_event", f"unknown event type {event['type']!r}; known: {list(CLIENT_EVENT_TYPES)}")
-        return event
-

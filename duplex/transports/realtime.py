@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import inspect
-import json
 import logging
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -62,42 +60,43 @@ from duplex.core.events import (
 from duplex.core.session import SessionCore
 from duplex.runtime.runner import Output, SessionRunner
 from duplex.runtime.service import CapacityError, DuplexService
-from duplex.transports.common import AudioFormatError, AudioIn, AudioOut, open_session
-from duplex.transports.native import CLOSE_OVERLOAD, CLOSE_POLICY, DuplexServer
+from duplex.transports.common import open_session
+from duplex.transports.native import DuplexServer
+from duplex.transports.native_protocol import CLOSE_OVERLOAD, CLOSE_POLICY
 from duplex.transports.realtime_protocol import (
+    MAX_MESSAGE_BYTES,
+    REALTIME_PATH,
     AudioFormat,
     RealtimeConfig,
     RealtimeError,
+    append_audio,
     assistant_item,
     audio_part,
+    check_event,
+    check_truncate_content_index,
+    client_event_id,
+    encode_event,
     error_event,
     event,
     new_id,
+    parse_event,
     parse_session_update,
+    parse_user_text,
     response_object,
+    response_status,
+    session_update_body,
+    truncate_request,
     user_audio_item,
     user_text_item,
 )
+from duplex.transports.wire_audio import AudioFormatError, AudioIn, AudioOut
 
 log = logging.getLogger("duplex.transports.realtime")
 
-REALTIME_PATH = "/v1/realtime"
-# The server's WebSocket limit (64 KiB) is below what Realtime clients send in one append (OpenAI
-# allows 15 MiB); this route raises it for its own connections. Larger messages close with 1009.
-MAX_MESSAGE_BYTES = 1024 * 1024  # ~21 s of 24 kHz PCM16 as base64
-MAX_EVENT_BYTES = 64 * 1024  # any event but an append
-MAX_TEXT_CHARS = 4000  # a typed user turn; longer ones would swamp the dialogue model's context
 KEEP_ITEMS = 64  # items remembered for truncate / transcripts; older ones are forgotten
 # A commit right after an append may reach the core before its VAD has seen that audio: wait this
 # long after the last append for the VAD to find the speech before calling the buffer empty.
 COMMIT_WAIT_S = 1.0
-
-UNSUPPORTED_EVENTS = {
-    "conversation.item.delete": "deleting items is not supported",
-    "conversation.item.retrieve": "retrieving items is not supported",
-    "output_audio_buffer.clear": "output_audio_buffer.clear is WebRTC/SIP only; use response.cancel",
-    "transcription_session.update": "transcription sessions are not supported",
-}
 
 
 def mount_realtime(server: DuplexServer) -> None:
@@ -256,39 +255,20 @@ class RealtimeSession:
 
         Handled in arrival order: a handler that waits (commit) holds back the events after it.
         """
-        client_event_id: str | None = None
+        event_id: str | None = None
         try:
-            ev = _parse(message)
-            client_event_id = ev.get("event_id") if isinstance(ev.get("event_id"), str) else None
-            kind = ev["type"]
-            handler = self._handlers.get(kind)
-            if handler is None:
-                if kind in UNSUPPORTED_EVENTS:
-                    raise RealtimeError("unsupported_event", UNSUPPORTED_EVENTS[kind], "type")
-                raise RealtimeError(
-                    "invalid_value",
-                    f"unknown event type {kind!r}; supported: {sorted(self._handlers)}",
-                    "type",
-                )
-            if kind != "input_audio_buffer.append" and len(message) > MAX_EVENT_BYTES:
-                raise RealtimeError(
-                    "message_too_large", f"{kind} of {len(message)} bytes exceeds {MAX_EVENT_BYTES}"
-                )
+            ev = parse_event(message)
+            event_id = client_event_id(ev)
+            handler = self._handlers[check_event(ev, len(message))]
             result = handler(ev)
             if inspect.isawaitable(result):
                 await result
         except RealtimeError as exc:
-            err = error_event(
-                exc.code, str(exc), param=exc.param, kind=exc.kind, client_event_id=client_event_id
-            )
+            err = error_event(exc.code, str(exc), param=exc.param, kind=exc.kind, client_event_id=event_id)
             self._defer(lambda: [err])
 
     def _on_session_update(self, ev: dict[str, Any]) -> None:
-        session = ev.get("session")
-        if not isinstance(session, dict):
-            raise RealtimeError(
-                "missing_required_parameter", "session.update needs a session object", "session"
-            )
+        session = session_update_body(ev)
         new = parse_session_update(session, self.config, self.defaults)
         try:
             self.core.configure(new.core_overrides(self.defaults))
@@ -302,15 +282,7 @@ class RealtimeSession:
         self._defer(lambda: [event("session.updated", session=new.to_wire(self.session_id))])
 
     def _on_append(self, ev: dict[str, Any]) -> None:
-        audio = ev.get("audio")
-        if not isinstance(audio, str):
-            raise RealtimeError(
-                "missing_required_parameter", "input_audio_buffer.append needs base64 audio", "audio"
-            )
-        try:
-            payload = base64.b64decode(audio, validate=True)
-        except (binascii.Error, ValueError):
-            raise RealtimeError("invalid_value", "audio is not valid base64", "audio") from None
+        payload = append_audio(ev)
         try:
             samples = self._audio_in.decode(payload)
         except AudioFormatError as exc:
@@ -338,7 +310,7 @@ class RealtimeSession:
         self._defer(lambda: [event("input_audio_buffer.cleared")])
 
     def _on_item_create(self, ev: dict[str, Any]) -> None:
-        item_id, text = _user_text(ev.get("item"))
+        item_id, text = parse_user_text(ev.get("item"))
         if item_id is None:
             item_id = new_id("item")
         elif (
@@ -351,13 +323,7 @@ class RealtimeSession:
         self._defer(lambda: self._text_item_added(item_id, text))
 
     def _on_truncate(self, ev: dict[str, Any]) -> None:
-        item_id, audio_end_ms = ev.get("item_id"), ev.get("audio_end_ms")
-        if not isinstance(item_id, str):
-            raise RealtimeError(
-                "missing_required_parameter", "conversation.item.truncate needs item_id", "item_id"
-            )
-        if not _is_int(audio_end_ms) or audio_end_ms < 0:
-            raise RealtimeError("invalid_value", "audio_end_ms must be an integer >= 0", "audio_end_ms")
+        item_id, audio_end_ms = truncate_request(ev)
         item = self.conv.items.get(item_id)
         if item is None:
             what = (
@@ -368,10 +334,7 @@ class RealtimeSession:
             raise RealtimeError(
                 "item_truncate_invalid_item_id", f"cannot truncate {item_id!r}: it is {what}", "item_id"
             )
-        if ev.get("content_index", 0) != 0:
-            raise RealtimeError(
-                "invalid_value", "an answer has one content part: content_index must be 0", "content_index"
-            )
+        check_truncate_content_index(ev)
         played_ms = min(audio_end_ms, int(item.audio_ms))  # cannot have heard more than was sent
         if self.conv.current is item:
             self._client_stop_turn = item.turn_id
@@ -456,7 +419,7 @@ class RealtimeSession:
             payloads = []
         self._prev_output = item
         for payload in payloads:
-            await self.ws.send(json.dumps(payload, separators=(",", ":")))
+            await self.ws.send(encode_event(payload))
 
     def _translate(self, item: Output) -> list[dict[str, Any]]:
         if isinstance(item, bytes):
@@ -646,17 +609,11 @@ class RealtimeSession:
 
     def _final_status(self, ev: ResponseDone) -> tuple[str, dict[str, Any] | None]:
         """The core's completed / interrupted / cancelled / failed as Realtime status and status_details."""
-        if ev.status == "completed":
-            return "completed", None
-        if ev.status == "failed":
-            error = {"type": "server_error", "code": "stage_failed", "message": "a model stage failed"}
-            return "failed", {"type": "failed", "error": error}
+        if ev.status in ("completed", "failed"):
+            return response_status(ev.status, by_client=False)
         by_client = ev.status == "cancelled" or self._client_stop_turn == ev.turn_id
         self._client_stop_turn = None
-        return "cancelled", {
-            "type": "cancelled",
-            "reason": "client_cancelled" if by_client else "turn_detected",
-        }
+        return response_status(ev.status, by_client)
 
     def _core_error(self, ev: ErrorEvent) -> list[dict[str, Any]]:
         if "truncate" in ev.message:
@@ -678,73 +635,3 @@ class RealtimeSession:
             event("conversation.item.added", item=item, previous_item_id=previous),
             event("conversation.item.done", item=item, previous_item_id=previous),
         ]
-
-
-def _parse(message: str | bytes) -> dict[str, Any]:
-    if isinstance(message, bytes):
-        raise RealtimeError(
-            "invalid_event", "binary frames are not part of the Realtime API: send JSON text events"
-        )
-    try:
-        ev = json.loads(message)
-    except (ValueError, RecursionError) as exc:
-        raise RealtimeError("invalid_json", f"malformed JSON: {exc}") from None
-    if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
-        raise RealtimeError("invalid_event", 'an event must be a JSON object with a string "type"', "type")
-    return ev
-
-
-def _user_text(item: Any) -> tuple[str | None, str]:
-    """(id or None, text) of a user message item made of input_text parts; anything else is refused."""
-    if not isinstance(item, dict):
-        raise RealtimeError(
-            "missing_required_parameter", "conversation.item.create needs an item object", "item"
-        )
-    if item.get("type", "message") != "message":
-        raise RealtimeError(
-            "unsupported_value",
-            f"item type {item.get('type')!r} is not supported (no function calling): only user messages",
-            "item.type",
-        )
-    if item.get("role") != "user":
-        raise RealtimeError(
-            "unsupported_value",
-            f"{item.get('role')!r} messages are not supported: only user "
-            "messages with input_text (session instructions are not applied)",
-            "item.role",
-        )
-    content = item.get("content")
-    if not isinstance(content, list) or not content:
-        raise RealtimeError(
-            "missing_required_parameter", "item.content must be a non-empty list", "item.content"
-        )
-    texts = []
-    for part in content:
-        if (
-            not isinstance(part, dict)
-            or part.get("type") != "input_text"
-            or not isinstance(part.get("text"), str)
-        ):
-            raise RealtimeError(
-                "unsupported_value",
-                "only input_text content parts with a string text are supported",
-                "item.content",
-            )
-        texts.append(part["text"])
-    text = " ".join(texts).strip()
-    if not text:
-        raise RealtimeError("invalid_value", "the message text is empty", "item.content")
-    if len(text) > MAX_TEXT_CHARS:
-        raise RealtimeError(
-            "string_above_max_length",
-            f"a message of {len(text)} characters exceeds {MAX_TEXT_CHARS}",
-            "item.content",
-        )
-    item_id = item.get("id")
-    if item_id is not None and (not isinstance(item_id, str) or not item_id):
-        raise RealtimeError("invalid_type", "item.id must be a non-empty string", "item.id")
-    return item_id, text
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

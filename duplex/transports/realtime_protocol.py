@@ -4,6 +4,9 @@ Pure functions and frozen dataclasses, no I/O, so the shapes can be checked agai
 package's pydantic types in tests. The adapter in `duplex.transports.realtime` decides *when* to send what;
 this module only knows *what it looks like*:
 
+- client events: `parse_event` / `check_event` (JSON, known type, size) and the validation of each
+  event's fields (`append_audio`, `parse_user_text`, `truncate_request`, ...); a refused one raises
+  `RealtimeError`, which becomes an `error` event.
 - `RealtimeConfig`: the session configuration a client sees in `session.created` / `session.updated`
   and changes with `session.update` (GA nested `audio.input/output` and the beta top-level names).
 - builders for events, conversation items, responses and errors.
@@ -11,12 +14,22 @@ this module only knows *what it looks like*:
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from duplex.base.config import SessionOptions
+
+REALTIME_PATH = "/v1/realtime"
+# The server's WebSocket limit (64 KiB) is below what Realtime clients send in one append (OpenAI
+# allows 15 MiB); this route raises it for its own connections. Larger messages close with 1009.
+MAX_MESSAGE_BYTES = 1024 * 1024  # ~21 s of 24 kHz PCM16 as base64
+MAX_EVENT_BYTES = 64 * 1024  # any event but an append
+MAX_TEXT_CHARS = 4000  # a typed user turn; longer ones would swamp the dialogue model's context
 
 VOICE = "hibari"  # the one packaged voice; `voice` in session.update is accepted and ignored
 MAX_VAD_MS = 10_000  # the core's limit for end_of_turn_silence_ms / barge_in_min_speech_ms
@@ -33,6 +46,166 @@ class RealtimeError(ValueError):
         self.code = code
         self.param = param
         self.kind = kind
+
+
+# -- client events -------------------------------------------------------------------------
+
+#: the client events this server serves
+CLIENT_EVENTS = (
+    "session.update",
+    "input_audio_buffer.append",
+    "input_audio_buffer.commit",
+    "input_audio_buffer.clear",
+    "conversation.item.create",
+    "conversation.item.truncate",
+    "response.create",
+    "response.cancel",
+)
+#: client events of the API this server refuses, and why
+UNSUPPORTED_EVENTS = {
+    "conversation.item.delete": "deleting items is not supported",
+    "conversation.item.retrieve": "retrieving items is not supported",
+    "output_audio_buffer.clear": "output_audio_buffer.clear is WebRTC/SIP only; use response.cancel",
+    "transcription_session.update": "transcription sessions are not supported",
+}
+
+
+def parse_event(message: str | bytes) -> dict[str, Any]:
+    """One client frame as a JSON object with a string `type` (its type not yet checked)."""
+    if isinstance(message, bytes):
+        raise RealtimeError(
+            "invalid_event", "binary frames are not part of the Realtime API: send JSON text events"
+        )
+    try:
+        ev = json.loads(message)
+    except (ValueError, RecursionError) as exc:
+        raise RealtimeError("invalid_json", f"malformed JSON: {exc}") from None
+    if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
+        raise RealtimeError("invalid_event", 'an event must be a JSON object with a string "type"', "type")
+    return ev
+
+
+def client_event_id(ev: dict[str, Any]) -> str | None:
+    """The client's `event_id`, which an `error` caused by the event names."""
+    value = ev.get("event_id")
+    return value if isinstance(value, str) else None
+
+
+def check_event(ev: dict[str, Any], size: int) -> str:
+    """The type of a parsed event of `size` characters, if this server serves it; else RealtimeError."""
+    kind = str(ev["type"])
+    if kind not in CLIENT_EVENTS:
+        if kind in UNSUPPORTED_EVENTS:
+            raise RealtimeError("unsupported_event", UNSUPPORTED_EVENTS[kind], "type")
+        raise RealtimeError(
+            "invalid_value",
+            f"unknown event type {kind!r}; supported: {sorted(CLIENT_EVENTS)}",
+            "type",
+        )
+    if kind != "input_audio_buffer.append" and size > MAX_EVENT_BYTES:
+        raise RealtimeError("message_too_large", f"{kind} of {size} bytes exceeds {MAX_EVENT_BYTES}")
+    return kind
+
+
+def session_update_body(ev: dict[str, Any]) -> dict[str, Any]:
+    """The `session` object of a session.update (see `parse_session_update` for its fields)."""
+    session = ev.get("session")
+    if not isinstance(session, dict):
+        raise RealtimeError("missing_required_parameter", "session.update needs a session object", "session")
+    return session
+
+
+def append_audio(ev: dict[str, Any]) -> bytes:
+    """The audio bytes of an input_audio_buffer.append (in the session's input format)."""
+    audio = ev.get("audio")
+    if not isinstance(audio, str):
+        raise RealtimeError(
+            "missing_required_parameter", "input_audio_buffer.append needs base64 audio", "audio"
+        )
+    try:
+        return base64.b64decode(audio, validate=True)
+    except (binascii.Error, ValueError):
+        raise RealtimeError("invalid_value", "audio is not valid base64", "audio") from None
+
+
+def parse_user_text(item: Any) -> tuple[str | None, str]:
+    """(id or None, text) of a user message item made of input_text parts; anything else is refused."""
+    if not isinstance(item, dict):
+        raise RealtimeError(
+            "missing_required_parameter", "conversation.item.create needs an item object", "item"
+        )
+    if item.get("type", "message") != "message":
+        raise RealtimeError(
+            "unsupported_value",
+            f"item type {item.get('type')!r} is not supported (no function calling): only user messages",
+            "item.type",
+        )
+    if item.get("role") != "user":
+        raise RealtimeError(
+            "unsupported_value",
+            f"{item.get('role')!r} messages are not supported: only user "
+            "messages with input_text (session instructions are not applied)",
+            "item.role",
+        )
+    content = item.get("content")
+    if not isinstance(content, list) or not content:
+        raise RealtimeError(
+            "missing_required_parameter", "item.content must be a non-empty list", "item.content"
+        )
+    texts = []
+    for part in content:
+        if (
+            not isinstance(part, dict)
+            or part.get("type") != "input_text"
+            or not isinstance(part.get("text"), str)
+        ):
+            raise RealtimeError(
+                "unsupported_value",
+                "only input_text content parts with a string text are supported",
+                "item.content",
+            )
+        texts.append(part["text"])
+    text = " ".join(texts).strip()
+    if not text:
+        raise RealtimeError("invalid_value", "the message text is empty", "item.content")
+    if len(text) > MAX_TEXT_CHARS:
+        raise RealtimeError(
+            "string_above_max_length",
+            f"a message of {len(text)} characters exceeds {MAX_TEXT_CHARS}",
+            "item.content",
+        )
+    item_id = item.get("id")
+    if item_id is not None and (not isinstance(item_id, str) or not item_id):
+        raise RealtimeError("invalid_type", "item.id must be a non-empty string", "item.id")
+    return item_id, text
+
+
+def truncate_request(ev: dict[str, Any]) -> tuple[str, int]:
+    """(item_id, audio_end_ms) of a conversation.item.truncate (whether the item exists is not checked)."""
+    item_id, audio_end_ms = ev.get("item_id"), ev.get("audio_end_ms")
+    if not isinstance(item_id, str):
+        raise RealtimeError(
+            "missing_required_parameter", "conversation.item.truncate needs item_id", "item_id"
+        )
+    if not isinstance(audio_end_ms, int) or isinstance(audio_end_ms, bool) or audio_end_ms < 0:
+        raise RealtimeError("invalid_value", "audio_end_ms must be an integer >= 0", "audio_end_ms")
+    return item_id, audio_end_ms
+
+
+def check_truncate_content_index(ev: dict[str, Any]) -> None:
+    """An answer has one content part: a truncate may only name content_index 0."""
+    if ev.get("content_index", 0) != 0:
+        raise RealtimeError(
+            "invalid_value", "an answer has one content part: content_index must be 0", "content_index"
+        )
+
+
+# -- server events -------------------------------------------------------------------------
+
+
+def encode_event(payload: dict[str, Any]) -> str:
+    """A server event as the compact JSON text frame the client receives."""
+    return json.dumps(payload, separators=(",", ":"))
 
 
 def new_id(prefix: str) -> str:
@@ -384,6 +557,23 @@ def assistant_item(item_id: str, status: str, transcript: str | None = None) -> 
 
 def audio_part(transcript: str) -> dict[str, Any]:
     return {"type": "audio", "transcript": transcript}
+
+
+def response_status(core_status: str, by_client: bool) -> tuple[str, dict[str, Any] | None]:
+    """The core's completed / interrupted / cancelled / failed as a response's status and status_details.
+
+    `by_client`: an interrupted or cancelled answer was stopped by the client (cancel / truncate),
+    not by the user talking over it (turn_detected).
+    """
+    if core_status == "completed":
+        return "completed", None
+    if core_status == "failed":
+        error = {"type": "server_error", "code": "stage_failed", "message": "a model stage failed"}
+        return "failed", {"type": "failed", "error": error}
+    return "cancelled", {
+        "type": "cancelled",
+        "reason": "client_cancelled" if by_client else "turn_detected",
+    }
 
 
 def response_object(
