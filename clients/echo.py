@@ -215,7 +215,9 @@ class EchoCanceller(SequentialBatchMixin[EchoState, EchoChunk, np.ndarray]):
     def process(self, near: np.ndarray, far: np.ndarray) -> np.ndarray:
         """Offline: whole signals in one call, the output aligned with the input (latency removed)."""
         pad = np.zeros(self.latency)
-        out, _ = self.step(self.init_state(), EchoChunk(np.concatenate([near, pad]), np.concatenate([far, pad])))
+        out, _ = self.step(
+            self.init_state(), EchoChunk(np.concatenate([near, pad]), np.concatenate([far, pad]))
+        )
         return out[self.latency : self.latency + len(near)]
 
     # -- one block ---------------------------------------------------------------------------

@@ -58,9 +58,13 @@ class ChatRenderer:
         return str(self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation))
 
     def _piece(self, role: str, content: str) -> str:
-        full = self._template([{"role": "system", "content": self.system_prompt}, {"role": role, "content": content}], False)
+        full = self._template(
+            [{"role": "system", "content": self.system_prompt}, {"role": role, "content": content}], False
+        )
         if not full.startswith(self._base):
-            raise ValueError("chat template renders the system message differently when followed by a message")
+            raise ValueError(
+                "chat template renders the system message differently when followed by a message"
+            )
         return full[len(self._base) :]
 
     def encode(self, text: str) -> list[int]:
@@ -197,7 +201,9 @@ class Conversations:
         if k < len(fed) and k < len(target) and not fed[k].ids and fed[k].size:
             return self._rebuild(track, target)  # the change is in a message that scrolled out
         keep_abs = base + track.dropped_tokens + sum(p.size for p in fed[:k]) + same
-        new_ids = (target[k].ids[same:] if k < len(target) else []) + [i for p in target[k + 1 :] for i in p.ids]
+        new_ids = (target[k].ids[same:] if k < len(target) else []) + [
+            i for p in target[k + 1 :] for i in p.ids
+        ]
         total_abs = base + track.length()
         if keep_abs == total_abs and not new_ids and track.cache.logits is not None:
             track.pieces = target

@@ -58,7 +58,9 @@ def read_adapter_info(path: str | Path = DEFAULT_ADAPTER) -> AdapterInfo:
         if key not in info:
             raise ModelError(f"drafter adapter: {meta} lacks {key!r}; {_HINT}")
     if int(info["format"]) != FORMAT:
-        raise ModelError(f"drafter adapter: {meta} has format {info['format']}, this code reads {FORMAT}; {_HINT}")
+        raise ModelError(
+            f"drafter adapter: {meta} has format {info['format']}, this code reads {FORMAT}; {_HINT}"
+        )
     return info
 
 
@@ -82,7 +84,9 @@ def keep_layers(model: Any, kept: list[int]) -> None:
         cfg.layer_types = [types[i] for i in kept]
 
 
-def apply_adapter(model: Any, path: str | Path = DEFAULT_ADAPTER, base_sha256: str | None = None) -> AdapterInfo:
+def apply_adapter(
+    model: Any, path: str | Path = DEFAULT_ADAPTER, base_sha256: str | None = None
+) -> AdapterInfo:
     """Turn the float base `model` into the adapted drafter in place; returns the adapter's metadata.
 
     `base_sha256` (the drafter weights' sha256 from models.yaml) must match the one the adapter was
@@ -91,12 +95,16 @@ def apply_adapter(model: Any, path: str | Path = DEFAULT_ADAPTER, base_sha256: s
 
     info = read_adapter_info(path)
     if base_sha256 and info["base_sha256"] and str(base_sha256).lower() != str(info["base_sha256"]).lower():
-        raise ModelError(f"drafter adapter {path} was trained on base weights {info['base_sha256'][:12]}…, "
-                         f"but the drafter is {str(base_sha256)[:12]}…; {_HINT}")
+        raise ModelError(
+            f"drafter adapter {path} was trained on base weights {info['base_sha256'][:12]}…, "
+            f"but the drafter is {str(base_sha256)[:12]}…; {_HINT}"
+        )
     try:
         tensors = load_file(str(path))
     except Exception as exc:  # truncated or not a safetensors file
-        raise ModelError(f"drafter adapter: cannot read {path} ({type(exc).__name__}: {exc}); {_HINT}") from exc
+        raise ModelError(
+            f"drafter adapter: cannot read {path} ({type(exc).__name__}: {exc}); {_HINT}"
+        ) from exc
     keep_layers(model, info.kept_layers)
     params = dict(model.named_parameters())
     scale = info.scale
@@ -147,8 +155,12 @@ def load_drafter(weights: Any, dtype: str, adapter: Path | None, progress: bool 
         return llm_weights.load(weights, dtype, progress=progress)
     read_adapter_info(adapter)  # a missing adapter fails before the base model is loaded
     sha = llm_weights.LlmWeights.from_config(weights).sha256
-    return llm_weights.load(weights, dtype, progress=progress,
-                            before_quantize=lambda m: apply_adapter(m, adapter, base_sha256=sha))
+    return llm_weights.load(
+        weights,
+        dtype,
+        progress=progress,
+        before_quantize=lambda m: apply_adapter(m, adapter, base_sha256=sha),
+    )
 
 
 def check_trained_with(what: str, meta: dict[str, Any], adapter: Path | None) -> None:
@@ -158,6 +170,8 @@ def check_trained_with(what: str, meta: dict[str, Any], adapter: Path | None) ->
     if trained != have:
         says = "no adapter" if trained is None else f"adapter {trained[:12]}…"
         runs = "no adapter" if have is None else f"adapter {have[:12]}… ({adapter})"
-        raise ModelError(f"{what} were trained on the drafter with {says}, but the drafter runs with {runs}: "
-                         "retrain them (python -m dialogue.training.train_turn / python -m dialogue.training.train_verifier) "
-                         "or set the drafter's `adapter` to the one they were trained with")
+        raise ModelError(
+            f"{what} were trained on the drafter with {says}, but the drafter runs with {runs}: "
+            "retrain them (python -m dialogue.training.train_turn / python -m dialogue.training.train_verifier) "
+            "or set the drafter's `adapter` to the one they were trained with"
+        )

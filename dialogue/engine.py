@@ -162,8 +162,12 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         self.slow_tokenizer = slow_tokenizer
         if slow_model is not None:
             r = ChatRenderer(slow_tokenizer, self.system_prompt)
-            lm = CachedLM(slow_model, sink_tokens=len(r.system_ids), window_tokens=slow_options.window_tokens,
-                          evict_chunk=slow_options.evict_chunk)
+            lm = CachedLM(
+                slow_model,
+                sink_tokens=len(r.system_ids),
+                window_tokens=slow_options.window_tokens,
+                evict_chunk=slow_options.evict_chunk,
+            )
             self.slow = Conversations(lm, r)
             self.slow_stop = stop_token_ids(slow_tokenizer)
         self.drafter: Conversations | None = None
@@ -171,8 +175,12 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         if drafter_model is not None:
             r = ChatRenderer(drafter_tokenizer, self.system_prompt)
             o = self.drafter_options
-            lm = CachedLM(drafter_model, sink_tokens=len(r.system_ids), window_tokens=o.window_tokens,
-                          evict_chunk=o.evict_chunk)
+            lm = CachedLM(
+                drafter_model,
+                sink_tokens=len(r.system_ids),
+                window_tokens=o.window_tokens,
+                evict_chunk=o.evict_chunk,
+            )
             self.drafter = Conversations(lm, r)
             self.drafter_stop = stop_token_ids(drafter_tokenizer)
         self.heads = heads
@@ -222,8 +230,9 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         probs = (1.0, 0.0, 0.0)
         if self.drafter is not None and state.drafter is not None and text:
             # the drafter reads ASR text without punctuation (the heads and the verifier were trained so)
-            fed += self.drafter.sync(state.drafter, pieces_for(self.drafter.renderer, _normalized(step.messages),
-                                                               open_user=text))
+            fed += self.drafter.sync(
+                state.drafter, pieces_for(self.drafter.renderer, _normalized(step.messages), open_user=text)
+            )
             if self.heads is not None:
                 h = state.drafter.cache.hidden
                 assert h is not None
@@ -233,13 +242,16 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             if preclose and self.verifier is not None:
                 # ~15 ms of the drafter per slice, off the critical path; what _draft syncs to
                 msgs = step.messages + [{"role": "user", "content": step.text}]
-                fed += self.drafter.sync(state.drafter, pieces_for(self.drafter.renderer, _normalized(msgs),
-                                                                   answer_prefix=""))
+                fed += self.drafter.sync(
+                    state.drafter, pieces_for(self.drafter.renderer, _normalized(msgs), answer_prefix="")
+                )
         t1 = time.perf_counter()
         state.answer_live = False
         if self.slow is not None and state.slow is not None and text and step.prefill_slow:
             # time-sliced prefill of the slow model too, so its answer starts with little left to read
-            fed += self.slow.sync(state.slow, pieces_for(self.slow.renderer, step.messages, open_user=step.text.strip()))
+            fed += self.slow.sync(
+                state.slow, pieces_for(self.slow.renderer, step.messages, open_user=step.text.strip())
+            )
         t2 = time.perf_counter()
         return ListenOutput(probs, fed, {"drafter_s": t1 - t0, "slow_s": t2 - t1, "total_s": t2 - t0})
 
@@ -280,9 +292,14 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
                     # with its space the TTS can speak the last word now instead of after the slow step
                     state.seam_space = prefix_ends_word(relay_info.draft, relay_info.prefix, relay_info.ended)
                     t = relay_info.draft_s
-                    return RespondOutput(relay_info.prefix + (" " if state.seam_space else ""), False, 0, 0,
-                                         {"draft_s": t, "prefill_s": 0.0, "decode_s": 0.0, "total_s": t},
-                                         relay_info)
+                    return RespondOutput(
+                        relay_info.prefix + (" " if state.seam_space else ""),
+                        False,
+                        0,
+                        0,
+                        {"draft_s": t, "prefill_s": 0.0, "decode_s": 0.0, "total_s": t},
+                        relay_info,
+                    )
         t1 = time.perf_counter()
         if state.done:
             return RespondOutput("", True, 0, 0, {"total_s": 0.0})
@@ -298,7 +315,9 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
                 from duplex.base.phrases import first_phrase_ready
 
                 text, n = "", 0
-                while not (state.done or n >= FIRST_PHRASE_MAX_TOKENS or first_phrase_ready(text, False, words)):
+                while not (
+                    state.done or n >= FIRST_PHRASE_MAX_TOKENS or first_phrase_ready(text, False, words)
+                ):
                     delta, k = self._slow_decode(state, 1)
                     text, n = text + delta, n + k
             else:
@@ -325,7 +344,9 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             self._listen(state, ListenStep(history, text, prefill_slow=False, preclose=True))
             return self._draft(state, history + [{"role": "user", "content": text}], force=True)
 
-    def _draft(self, state: DialogueState, msgs: list[dict[str, str]], force: bool | None = None) -> RelayInfo:
+    def _draft(
+        self, state: DialogueState, msgs: list[dict[str, str]], force: bool | None = None
+    ) -> RelayInfo:
         from dialogue.verifier import draft_stop, draft_veto, prefix_text, token_stats
 
         assert self.drafter is not None and state.drafter is not None
@@ -363,19 +384,28 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             p = float(self.verifier(hs, st, mask)[0])
             if rolling is not None and force is None:
                 rolling.observe(p)
-        veto = draft_veto(prefix, previous_answer(msgs), last_user_text(msgs),
-                          previous_request=previous_request(msgs)) if prefix.strip() else None
+        veto = (
+            draft_veto(
+                prefix, previous_answer(msgs), last_user_text(msgs), previous_request=previous_request(msgs)
+            )
+            if prefix.strip()
+            else None
+        )
         committed = bool(prefix.strip()) and (p >= thr and veto is None if force is None else force)
-        return RelayInfo(draft, prefix if committed else "", p, committed, time.perf_counter() - t0, ended, thr,
-                         veto)
+        return RelayInfo(
+            draft, prefix if committed else "", p, committed, time.perf_counter() - t0, ended, thr, veto
+        )
 
     # -- slow model -------------------------------------------------------------------------
 
     def _slow_sync(self, state: DialogueState) -> int:
         assert self.slow is not None and state.slow is not None and state.messages is not None
         # the committed draft, and on a resync (after a listen step) what was decoded already
-        said = state.prefix + self.slow_tokenizer.decode(state.response_ids, skip_special_tokens=True) \
-            if state.response_ids else state.prefix
+        said = (
+            state.prefix + self.slow_tokenizer.decode(state.response_ids, skip_special_tokens=True)
+            if state.response_ids
+            else state.prefix
+        )
         target = pieces_for(self.slow.renderer, state.messages, answer_prefix=said)
         n = self.slow.sync(state.slow, target)
         state.pending = []
@@ -401,7 +431,9 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             new += 1
             if len(state.response_ids) >= o.max_new_tokens:
                 state.done = True
-        text, state.emitted_chars = text_delta(self.slow_tokenizer, state.response_ids, state.emitted_chars, state.done)
+        text, state.emitted_chars = text_delta(
+            self.slow_tokenizer, state.response_ids, state.emitted_chars, state.done
+        )
         return text, new
 
     def _remote_step(self, state: DialogueState, max_tokens: int) -> tuple[str, int]:
@@ -423,8 +455,9 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
 
     # -- offline convenience ----------------------------------------------------------------
 
-    def generate(self, messages: list[dict[str, str]], state: DialogueState | None = None,
-                 relay: bool | None = None) -> tuple[str, RelayInfo | None]:
+    def generate(
+        self, messages: list[dict[str, str]], state: DialogueState | None = None, relay: bool | None = None
+    ) -> tuple[str, RelayInfo | None]:
         """The whole reply to `messages` in the stage's own step sizes, and what the relay did."""
         state = state if state is not None else self.init_state()
         out, state = self.step(state, RespondStep(messages, self.slow_options.first_step_tokens, relay))
@@ -460,14 +493,18 @@ def _normalized(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     """User messages as the drafter sees them (ASR text without punctuation)."""
     from dialogue.turn_taking import normalize_user_text
 
-    return [{"role": m["role"], "content": normalize_user_text(m["content"])} if m.get("role") == "user" else m
-            for m in messages]
+    return [
+        {"role": m["role"], "content": normalize_user_text(m["content"])} if m.get("role") == "user" else m
+        for m in messages
+    ]
 
 
 # -- loading ---------------------------------------------------------------------------------
 
 
-def load_dialogue_stage(llm: ComponentConfig, drafter: ComponentConfig | None, progress: bool = True) -> DialogueStage:
+def load_dialogue_stage(
+    llm: ComponentConfig, drafter: ComponentConfig | None, progress: bool = True
+) -> DialogueStage:
     """The engine of a profile: its `llm` (slow model, in-process or `openai-chat`) and optional
     `drafter` component (fast path, turn-taking heads, relay verifier)."""
     slow_model = slow_tok = remote = None
@@ -481,34 +518,46 @@ def load_dialogue_stage(llm: ComponentConfig, drafter: ComponentConfig | None, p
         slow_options = SlowOptions.from_mapping(llm.options)
         slow_model, slow_tok = llm_weights.load(llm.weights, slow_options.dtype, progress=progress)
     else:
-        raise ConfigError(f"llm: backend {llm.backend!r} is not one of transformers-gguf, transformers, openai-chat")
+        raise ConfigError(
+            f"llm: backend {llm.backend!r} is not one of transformers-gguf, transformers, openai-chat"
+        )
     d_model = d_tok = heads = policy = verifier = verifier_meta = rolling = None
     d_opts = None
     threshold = 0.5
     if drafter is not None:
         if drafter.backend not in ("transformers-gguf", "transformers"):
-            raise ConfigError(f"drafter: backend {drafter.backend!r} is not one of transformers-gguf, transformers")
+            raise ConfigError(
+                f"drafter: backend {drafter.backend!r} is not one of transformers-gguf, transformers"
+            )
         d_opts = DrafterOptions.from_mapping(drafter.options)
         from dialogue.drafter_adapter import adapter_path, check_trained_with, load_drafter
         from dialogue.turn_taking import load_turn_heads
         from dialogue.verifier import load_verifier
 
         adapter = adapter_path(d_opts.adapter)
-        heads, policy, heads_meta = load_turn_heads(None if d_opts.heads == "shipped" else _path(d_opts.heads))
+        heads, policy, heads_meta = load_turn_heads(
+            None if d_opts.heads == "shipped" else _path(d_opts.heads)
+        )
         verifier, threshold, verifier_meta = load_verifier(
-            None if d_opts.verifier == "shipped" else _path(d_opts.verifier))
+            None if d_opts.verifier == "shipped" else _path(d_opts.verifier)
+        )
         # both read the drafter's hidden states: a mismatch would give confident nonsense, so refuse it
         check_trained_with("the turn-taking heads", heads_meta, adapter)
         check_trained_with("the relay verifier", verifier_meta, adapter)
         trained_words = (verifier_meta.get("draft_rule") or {}).get("max_words")
         if trained_words is not None and int(trained_words) != d_opts.draft_words:
-            log.warning("drafter: draft_words is %d but the verifier was trained on %d-word drafts; its scores "
-                        "are then less reliable (retrain it or set draft_words: %d)", d_opts.draft_words,
-                        int(trained_words), int(trained_words))
+            log.warning(
+                "drafter: draft_words is %d but the verifier was trained on %d-word drafts; its scores "
+                "are then less reliable (retrain it or set draft_words: %d)",
+                d_opts.draft_words,
+                int(trained_words),
+                int(trained_words),
+            )
         d_model, d_tok = load_drafter(drafter.weights, d_opts.dtype, adapter, progress=progress)
         threshold, rolling = verifier_operating_point(verifier_meta, d_opts.verifier_threshold)
-    stage = DialogueStage(slow_model, slow_tok, slow_options, d_model, d_tok, d_opts, heads, policy, verifier,
-                          threshold, remote)
+    stage = DialogueStage(
+        slow_model, slow_tok, slow_options, d_model, d_tok, d_opts, heads, policy, verifier, threshold, remote
+    )
     stage.verifier_meta = verifier_meta or {}
     stage.rolling_threshold = rolling
     return stage
@@ -528,8 +577,10 @@ def verifier_operating_point(meta: Mapping[str, Any], choice: float | str | None
             choice = float(choice)
         except ValueError:
             if choice not in named:
-                raise ConfigError(f"drafter: verifier_threshold {choice!r} is not a number in [0, 1] or one of "
-                                  f"the verifier's operating points: {', '.join(sorted(named))}") from None
+                raise ConfigError(
+                    f"drafter: verifier_threshold {choice!r} is not a number in [0, 1] or one of "
+                    f"the verifier's operating points: {', '.join(sorted(named))}"
+                ) from None
             point = named[choice]
             if not isinstance(point, dict):
                 return point, None

@@ -95,8 +95,9 @@ def _fuse_dynamic_int8(mods: Sequence[nn.Module]) -> nn.Module:
         zeros.append(w.q_per_channel_zero_points())
         has_bias = has_bias or b is not None
         biases.append(b if b is not None else torch.zeros(w.shape[0]))
-    qw = torch._make_per_channel_quantized_tensor(torch.cat(weights), torch.cat(scales).double(),
-                                                  torch.cat(zeros).long(), 0)
+    qw = torch._make_per_channel_quantized_tensor(
+        torch.cat(weights), torch.cat(scales).double(), torch.cat(zeros).long(), 0
+    )
     fused = DynLinear(qw.shape[1], qw.shape[0], bias_=has_bias, dtype=torch.qint8)
     fused.set_weight_bias(qw, torch.cat(biases).float() if has_bias else None)
     fused.version = versions.pop()
@@ -142,10 +143,11 @@ def _signature(model: Any) -> tuple[int, ...]:
     out = [id(inner.embed_tokens), id(inner.norm.weight), len(inner.layers)]
     for layer in inner.layers:
         a, mlp = layer.self_attn, layer.mlp
-        out += [id(m) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+        out += [
+            id(m) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        ]
         out += [id(layer.input_layernorm.weight), id(layer.post_attention_layernorm.weight)]
     return tuple(out)
-
 
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -191,10 +193,16 @@ class FastDecoder:
         self.layers: list[_Layer] = []
         for layer in self.inner.layers:
             a, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(
-                in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-                qkv=_products(a, ("q_proj", "k_proj", "v_proj")), o=_linear_fn(a.o_proj),
-                gate_up=_products(mlp, ("gate_proj", "up_proj")), down=_linear_fn(mlp.down_proj)))
+            self.layers.append(
+                _Layer(
+                    in_norm=layer.input_layernorm.weight,
+                    post_norm=layer.post_attention_layernorm.weight,
+                    qkv=_products(a, ("q_proj", "k_proj", "v_proj")),
+                    o=_linear_fn(a.o_proj),
+                    gate_up=_products(mlp, ("gate_proj", "up_proj")),
+                    down=_linear_fn(mlp.down_proj),
+                )
+            )
         self.final_norm = self.inner.norm.weight
         self.final_eps = float(getattr(self.inner.norm, "variance_epsilon", self.eps))
         self.signature = _signature(model)
@@ -241,8 +249,9 @@ class FastDecoder:
             k = self._rope(k.view(1, n, nkv, hd).transpose(1, 2), cos, sin)
             v = v.view(1, n, nkv, hd).transpose(1, 2)
             keys, values = cache.layers[i].update(k, v)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
-                                               enable_gqa=nkv != nh)
+            o = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=nkv != nh
+            )
             x = x + ly.o(o.transpose(1, 2).reshape(1, n, nh * hd))
             h = self._norm(x, ly.post_norm, self.eps)
             g, u = ly.gate_up(h)
@@ -250,7 +259,9 @@ class FastDecoder:
         return self._norm(x, self.final_norm, self.final_eps)
 
 
-def decoder_hidden(model: Any, ids: Sequence[int], cache: Any = None, start: int | None = None) -> torch.Tensor:
+def decoder_hidden(
+    model: Any, ids: Sequence[int], cache: Any = None, start: int | None = None
+) -> torch.Tensor:
     """Final-norm hidden states [1, len(ids), H] of `ids` after `cache` (extended in place; a fresh
     `DynamicCache` if None): the lean forward where the model allows it, else `transformers`'.
 
@@ -265,6 +276,11 @@ def decoder_hidden(model: Any, ids: Sequence[int], cache: Any = None, start: int
     if dec is not None:
         return dec.forward(cache, ids, pos)
     positions = torch.arange(pos, pos + len(ids))
-    out = model.model(input_ids=torch.tensor([list(ids)], dtype=torch.long), past_key_values=cache, use_cache=True,
-                      cache_position=positions, position_ids=positions[None])
+    out = model.model(
+        input_ids=torch.tensor([list(ids)], dtype=torch.long),
+        past_key_values=cache,
+        use_cache=True,
+        cache_position=positions,
+        position_ids=positions[None],
+    )
     return out.last_hidden_state

@@ -89,7 +89,11 @@ class CachedLM:
     """
 
     def __init__(
-        self, model: nn.Module, sink_tokens: int = 4, window_tokens: int = 2048, evict_chunk: int = 64,
+        self,
+        model: nn.Module,
+        sink_tokens: int = 4,
+        window_tokens: int = 2048,
+        evict_chunk: int = 64,
         fast: bool = True,
     ) -> None:
         if sink_tokens < 0:

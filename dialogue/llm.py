@@ -53,12 +53,6 @@ class LlmOptions:
         return opts
 
 
-
-
-
-
-
-
 def text_delta(
     tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], emitted_chars: int, final: bool
 ) -> tuple[str, int]:
@@ -84,8 +78,6 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     return frozenset(i for i in ids if isinstance(i, int))
 
 
-
-
 @contextmanager
 def _torch_threads(n: int | None) -> Iterator[None]:
     # torch's intra-op pool is process-wide: set it only around our own work, then restore
@@ -98,7 +90,3 @@ def _torch_threads(n: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(prev)
-
-
-
-

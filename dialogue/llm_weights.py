@@ -429,7 +429,9 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load(
-    cfg: Any, dtype: str | torch.dtype = "float32", progress: bool = True,
+    cfg: Any,
+    dtype: str | torch.dtype = "float32",
+    progress: bool = True,
     before_quantize: Callable[[PreTrainedModel], Any] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Prepare the weights if needed and load (model in eval mode, tokenizer).
@@ -444,7 +446,9 @@ def load(
     tdtype = _torch_dtype(dtype)
     try:
         tok = AutoTokenizer.from_pretrained(str(d))
-        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=tdtype if before_quantize is None else torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(d), dtype=tdtype if before_quantize is None else torch.float32
+        )
     except Exception as exc:  # a damaged cache fails in many ways inside transformers
         if w.kind == "path":
             raise ModelError(f"LLM weights {w.name}: could not load {d}: {exc}") from exc

@@ -56,8 +56,13 @@ PREFIX_MODES = ("continue_final_message", "assistant_prefill", "instruct")
 #: protocol or silently shadow an option of the same name)
 RESERVED_BODY_KEYS = frozenset(
     {
-        "model", "messages", "stream", "max_tokens", "temperature",
-        "continue_final_message", "add_generation_prompt",
+        "model",
+        "messages",
+        "stream",
+        "max_tokens",
+        "temperature",
+        "continue_final_message",
+        "add_generation_prompt",
     }
 )
 INSTRUCTION = "Your reply must begin exactly with: {prefix}"

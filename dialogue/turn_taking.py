@@ -97,7 +97,11 @@ def render_user_prefix(
 
 def _mlp(hidden_size: int, dim: int, out: int, dropout: float) -> nn.Sequential:
     return nn.Sequential(
-        nn.LayerNorm(hidden_size), nn.Dropout(dropout), nn.Linear(hidden_size, dim), nn.GELU(), nn.Linear(dim, out)
+        nn.LayerNorm(hidden_size),
+        nn.Dropout(dropout),
+        nn.Linear(hidden_size, dim),
+        nn.GELU(),
+        nn.Linear(dim, out),
     )
 
 
@@ -165,7 +169,9 @@ def load_turn_heads(
     if absent:
         raise ModelError(f"turn-taking heads: {meta_path} lacks {', '.join(absent)}; {hint}")
     if int(meta["format"]) != METADATA_FORMAT:
-        raise ModelError(f"turn-taking heads: {meta_path} has format {meta['format']}, need {METADATA_FORMAT}; {hint}")
+        raise ModelError(
+            f"turn-taking heads: {meta_path} has format {meta['format']}, need {METADATA_FORMAT}; {hint}"
+        )
     trained = int(meta["hidden_size"])
     if hidden_size is not None and int(hidden_size) != trained:
         raise ModelError(
@@ -189,7 +195,9 @@ def load_turn_heads(
     try:
         state = load_file(str(weights))
     except Exception as exc:  # truncated or not a safetensors file
-        raise ModelError(f"turn-taking heads: cannot read {weights} ({type(exc).__name__}: {exc}); {hint}") from exc
+        raise ModelError(
+            f"turn-taking heads: cannot read {weights} ({type(exc).__name__}: {exc}); {hint}"
+        ) from exc
     for key, tensor in state.items():
         if key.endswith("0.weight") and tensor.ndim == 1 and tensor.shape[0] != trained:
             raise ModelError(
@@ -198,6 +206,8 @@ def load_turn_heads(
     try:
         heads.load_state_dict(state)
     except Exception as exc:  # wrong shapes or names: one message with the fix
-        raise ModelError(f"turn-taking heads: cannot load {weights} ({type(exc).__name__}: {exc}); {hint}") from exc
+        raise ModelError(
+            f"turn-taking heads: cannot load {weights} ({type(exc).__name__}: {exc}); {hint}"
+        ) from exc
     heads.eval()
     return heads, policy, meta

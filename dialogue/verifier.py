@@ -175,7 +175,7 @@ def prefix_ends_word(draft: str, prefix: str, ended: bool) -> bool:
     rest = draft.strip()
     if not rest.startswith(prefix):
         return False
-    rest = rest[len(prefix):]
+    rest = rest[len(prefix) :]
     if rest:
         return rest[:1].isspace()
     # the draft stopped right after the prefix: at the end of turn, or on a clause / sentence mark
@@ -187,9 +187,7 @@ def prefix_ends_word(draft: str, prefix: str, ended: bool) -> bool:
 # -- drafting -----------------------------------------------------------------------------------------
 
 
-def chat_ids(
-    tokenizer: Any, system: str, history: Sequence[Mapping[str, str]], text: str
-) -> list[int]:
+def chat_ids(tokenizer: Any, system: str, history: Sequence[Mapping[str, str]], text: str) -> list[int]:
     """Token ids of [system] + history + [user text] with the model's own chat template.
 
     Drafter and slow model both see this same chat, each through its own template, so the prefix
@@ -387,7 +385,9 @@ def load_verifier(
         state = load_file(str(weights))
         model.load_state_dict(state)
     except Exception as exc:  # wrong shapes, truncated file: one message with the fix
-        raise ModelError(f"relay verifier: cannot load {weights} ({type(exc).__name__}: {exc}); {hint}") from exc
+        raise ModelError(
+            f"relay verifier: cannot load {weights} ({type(exc).__name__}: {exc}); {hint}"
+        ) from exc
     model.eval()
     return model, threshold, meta
 
@@ -418,7 +418,9 @@ class RollingThreshold:
         self.commit = float(commit)
         self.window = int(window)
         self.prior = tuple(float(x) for x in prior)
-        self._scores: collections.deque[float] = collections.deque((float(x) for x in prior), maxlen=self.window)
+        self._scores: collections.deque[float] = collections.deque(
+            (float(x) for x in prior), maxlen=self.window
+        )
         self._lock = threading.Lock()
 
     @classmethod
@@ -501,7 +503,8 @@ _FUNCTION_WORDS = frozenset(
     "whom whose when where why how do does did done can could would should will shall may might must not no "
     "yes just very really also about into over under up down out off again more most some any all each both "
     "few many much such only own same too don't it's i'm let's that's there's okay ok please stop wait hold "
-    "hang sorry excuse actually well oh one".split())
+    "hang sorry excuse actually well oh one".split()
+)
 
 
 def _content(text: str) -> set[str]:
@@ -514,8 +517,9 @@ def _content(text: str) -> set[str]:
     return out
 
 
-def carries_interrupted_topic(prefix: str, user_text: str | None, previous: str | None,
-                              previous_request: str | None = None) -> bool:
+def carries_interrupted_topic(
+    prefix: str, user_text: str | None, previous: str | None, previous_request: str | None = None
+) -> bool:
     """After a barge-in cue, the draft goes on about the answer the caller cut off: it shares a content
     word with that answer (or with the request it answered) and none with the caller's new words ("The
     car engine works" after "Stop. How many days are in a year?" cut off "A car engine is ..."; the slow
@@ -530,8 +534,12 @@ def carries_interrupted_topic(prefix: str, user_text: str | None, previous: str 
     return bool(draft & topic) and not draft & _content(user_text)
 
 
-def draft_veto(prefix: str, previous_answer: str | None = None, user_text: str | None = None,
-               previous_request: str | None = None) -> str | None:
+def draft_veto(
+    prefix: str,
+    previous_answer: str | None = None,
+    user_text: str | None = None,
+    previous_request: str | None = None,
+) -> str | None:
     """Why the engine must not commit this draft whatever the verifier says (None if nothing):
     another script, markup, a repeat of the previous answer's opening, or, after a barge-in cue, the
     topic of the previous exchange (`previous_request`, `previous_answer`) instead of the caller's new one. (An echo of the question, a negative label
@@ -546,4 +554,3 @@ def draft_veto(prefix: str, previous_answer: str | None = None, user_text: str |
     if carries_interrupted_topic(prefix, user_text, previous_answer, previous_request):
         return "topic"
     return None
-

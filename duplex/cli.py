@@ -32,14 +32,18 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         service = DuplexService.load(
-            args.profile, progress=True, limits=ServiceLimits(max_sessions=args.max_sessions, bulk_workers=args.workers)
+            args.profile,
+            progress=True,
+            limits=ServiceLimits(max_sessions=args.max_sessions, bulk_workers=args.workers),
         )
     except (ConfigError, RuntimeError, ValueError) as exc:
         print(f"duplex serve: cannot load models: {exc}", file=sys.stderr)
         print("hint: `duplex models` shows what is missing and how to fix it", file=sys.stderr)
         return 2
     settings = GatewaySettings(
-        http=ServerSettings(host=args.host, port=args.port, origins=tuple(args.origin) if args.origin else None),
+        http=ServerSettings(
+            host=args.host, port=args.port, origins=tuple(args.origin) if args.origin else None
+        ),
         twilio_auth_token=args.twilio_auth_token or os.environ.get("TWILIO_AUTH_TOKEN") or None,
         public_url=args.public_url,
         audiosocket=audiosocket,
@@ -95,17 +99,33 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-sessions", type=int, default=8)
     s.add_argument("--workers", type=int, default=1, help="bulk executor worker threads (ASR/LLM/TTS)")
     s.add_argument("--origin", action="append", help="allowed browser Origin (repeatable); default: any")
-    s.add_argument("--twilio-auth-token", default=None,
-                   help="validate X-Twilio-Signature on /v1/twilio (default: $TWILIO_AUTH_TOKEN; unset: not checked)")
-    s.add_argument("--public-url", default=None,
-                   help="the wss:// base URL Twilio connects to, when behind a proxy (it is what Twilio signs)")
-    s.add_argument("--audiosocket", metavar="HOST:PORT", default=None,
-                   help="also accept Asterisk AudioSocket calls on this TCP address (bind it privately)")
-    s.add_argument("--audiosocket-uuid", action="append", metavar="UUID",
-                   help="accept only AudioSocket calls with this UUID (repeatable); default: any")
+    s.add_argument(
+        "--twilio-auth-token",
+        default=None,
+        help="validate X-Twilio-Signature on /v1/twilio (default: $TWILIO_AUTH_TOKEN; unset: not checked)",
+    )
+    s.add_argument(
+        "--public-url",
+        default=None,
+        help="the wss:// base URL Twilio connects to, when behind a proxy (it is what Twilio signs)",
+    )
+    s.add_argument(
+        "--audiosocket",
+        metavar="HOST:PORT",
+        default=None,
+        help="also accept Asterisk AudioSocket calls on this TCP address (bind it privately)",
+    )
+    s.add_argument(
+        "--audiosocket-uuid",
+        action="append",
+        metavar="UUID",
+        help="accept only AudioSocket calls with this UUID (repeatable); default: any",
+    )
     s.set_defaults(func=_serve)
 
-    t = sub.add_parser("talk", help="talk to a server from this terminal: microphone, speaker, live transcript")
+    t = sub.add_parser(
+        "talk", help="talk to a server from this terminal: microphone, speaker, live transcript"
+    )
     from clients.talk.cli import add_arguments as add_talk_arguments
 
     add_talk_arguments(t)
@@ -123,26 +143,52 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--barge-ins", type=int, default=10, help="barge-in trials to measure")
     b.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
     b.add_argument("--serve", action="store_true", help="start a server in this process first")
-    b.add_argument("--session", default=None, metavar="JSON",
-                   help='session options for the benchmark session, e.g. \'{"relay": true}\' (docs/protocol.md)')
+    b.add_argument(
+        "--session",
+        default=None,
+        metavar="JSON",
+        help="session options for the benchmark session, e.g. '{\"relay\": true}' (docs/protocol.md)",
+    )
     b.add_argument("--profile", default=None)
-    b.add_argument("--transport", default=None, metavar="NAMES",
-                   help="onset through transports instead: 'all' or a comma list of native,twilio,audiosocket,realtime"
-                        " (same prompts, interleaved; native is always included as the baseline)")
-    b.add_argument("--rounds", type=int, default=1, help="with --transport: how many times to ask every prompt")
-    b.add_argument("--audiosocket", metavar="HOST:PORT", default=None,
-                   help="with --transport audiosocket against a running server: its AudioSocket address")
-    b.add_argument("--tones", action="store_true",
-                   help="with --serve --transport: tone stages instead of models, to measure the adapters alone")
-    b.add_argument("--asr", action="store_true",
-                   help="benchmark the streaming ASR instead (no server): per-chunk compute per lookahead, RTF, "
-                        "streams served in real time at --sessions")
-    b.add_argument("--model", default=None, help="with --asr: a .nemo file (default: asr/weights/fc_small.nemo)")
+    b.add_argument(
+        "--transport",
+        default=None,
+        metavar="NAMES",
+        help="onset through transports instead: 'all' or a comma list of native,twilio,audiosocket,realtime"
+        " (same prompts, interleaved; native is always included as the baseline)",
+    )
+    b.add_argument(
+        "--rounds", type=int, default=1, help="with --transport: how many times to ask every prompt"
+    )
+    b.add_argument(
+        "--audiosocket",
+        metavar="HOST:PORT",
+        default=None,
+        help="with --transport audiosocket against a running server: its AudioSocket address",
+    )
+    b.add_argument(
+        "--tones",
+        action="store_true",
+        help="with --serve --transport: tone stages instead of models, to measure the adapters alone",
+    )
+    b.add_argument(
+        "--asr",
+        action="store_true",
+        help="benchmark the streaming ASR instead (no server): per-chunk compute per lookahead, RTF, "
+        "streams served in real time at --sessions",
+    )
+    b.add_argument(
+        "--model", default=None, help="with --asr: a .nemo file (default: asr/weights/fc_small.nemo)"
+    )
     b.add_argument("--sessions", default="1,4,16", help="with --asr: concurrent session counts")
     b.add_argument("--seconds", type=float, default=12.0, help="with --asr: speech streamed per session")
     b.add_argument("--threads", type=int, default=0, help="with --asr: torch threads (0 = torch's default)")
-    b.add_argument("--budget-ms", type=float, default=None,
-                   help="with --asr: also report whether the P90 batch step fits this budget (30 on a GPU)")
+    b.add_argument(
+        "--budget-ms",
+        type=float,
+        default=None,
+        help="with --asr: also report whether the P90 batch step fits this budget (30 on a GPU)",
+    )
     b.add_argument("--cpu", action="store_true", help="with --asr: stay on the CPU even if CUDA is available")
     b.set_defaults(func=_bench)
 
@@ -153,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_dialogue_arguments(ed)
     ed.set_defaults(func=_eval_dialogue)
-    ea = esub.add_parser("asr", help="streaming ASR WER per lookahead beside Moonshine, on held-out voices or a folder")
+    ea = esub.add_parser(
+        "asr", help="streaming ASR WER per lookahead beside Moonshine, on held-out voices or a folder"
+    )
     from duplex.eval.asr import add_arguments as add_eval_asr_arguments
 
     add_eval_asr_arguments(ea)

@@ -46,8 +46,9 @@ def live():
     `duplex serve` (native, Twilio, Realtime on one free port; AudioSocket on another)."""
     service = DuplexService.load("cpu", progress=False, limits=ServiceLimits(max_sessions=4))
     loop = asyncio.new_event_loop()
-    server = Gateway(service, GatewaySettings(http=ServerSettings(host="127.0.0.1", port=0),
-                                              audiosocket=("127.0.0.1", 0)))
+    server = Gateway(
+        service, GatewaySettings(http=ServerSettings(host="127.0.0.1", port=0), audiosocket=("127.0.0.1", 0))
+    )
     ready = threading.Event()
 
     def run():

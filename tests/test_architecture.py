@@ -35,8 +35,15 @@ ALLOWED: dict[str, set[str]] = {
 }
 #: the top: evaluations, benchmarks and clients may use everything below them; the CLI everything
 TOP = {
-    "duplex.eval": {"duplex.base", "duplex.core", "duplex.runtime", "duplex.transports", "duplex.testing",
-                    *STAGES, *RECIPES},
+    "duplex.eval": {
+        "duplex.base",
+        "duplex.core",
+        "duplex.runtime",
+        "duplex.transports",
+        "duplex.testing",
+        *STAGES,
+        *RECIPES,
+    },
     "clients": {"duplex.base", "codec"},
 }
 TOP["duplex.bench"] = TOP["duplex.eval"] | {"duplex.eval"}
@@ -45,8 +52,14 @@ ALLOWED.update(TOP)
 
 #: modules that must stay sans-I/O: no event loop, sockets or model code
 NO_IO = ("asyncio", "websockets", "torch", "socket", "onnxruntime", "transformers")
-SANS_IO = ("duplex.core", "duplex.transports.wire_audio", "duplex.transports.native_protocol", "duplex.transports.twilio_protocol",
-           "duplex.transports.audiosocket_protocol", "duplex.transports.realtime_protocol")
+SANS_IO = (
+    "duplex.core",
+    "duplex.transports.wire_audio",
+    "duplex.transports.native_protocol",
+    "duplex.transports.twilio_protocol",
+    "duplex.transports.audiosocket_protocol",
+    "duplex.transports.realtime_protocol",
+)
 
 
 def module_files() -> dict[str, Path]:
@@ -166,6 +179,9 @@ def test_no_large_files_in_git() -> None:
     if not listed:
         pytest.skip("not a git checkout")
     allowed_big = {"asr/weights/fc_small.nemo"}  # the streaming ASR's shipped model (issue 20 replaces it)
-    big = [f"{f} ({(ROOT / f).stat().st_size >> 20} MiB)" for f in listed.decode().split("\0")
-           if f and (ROOT / f).is_file() and (ROOT / f).stat().st_size > 8 << 20 and f not in allowed_big]
+    big = [
+        f"{f} ({(ROOT / f).stat().st_size >> 20} MiB)"
+        for f in listed.decode().split("\0")
+        if f and (ROOT / f).is_file() and (ROOT / f).stat().st_size > 8 << 20 and f not in allowed_big
+    ]
     assert not big, f"files over 8 MiB in git: {big}"

@@ -149,9 +149,19 @@ def test_not_an_ort_file_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_tokenizer_file_format(tmp_path: Path) -> None:
     long_token = b"x" * 200  # lengths >= 128 take a second byte
-    entries = [b"<unk>", b"<s>", b"</s>", b"\xc3", b"\xa9", "\u2581caf".encode(), long_token, "\u2581ok".encode()]
+    entries = [
+        b"<unk>",
+        b"<s>",
+        b"</s>",
+        b"\xc3",
+        b"\xa9",
+        "\u2581caf".encode(),
+        long_token,
+        "\u2581ok".encode(),
+    ]
     blob = b"".join(
-        (bytes([len(e)]) if len(e) < 128 else bytes([0x80 | (len(e) & 0x7F), len(e) >> 7])) + e for e in entries
+        (bytes([len(e)]) if len(e) < 128 else bytes([0x80 | (len(e) & 0x7F), len(e) >> 7])) + e
+        for e in entries
     )
     (tmp_path / "tok.bin").write_bytes(blob)
     tokens = load_tokenizer(tmp_path / "tok.bin")

@@ -25,8 +25,14 @@ from duplex.base.config import ComponentConfig, ConfigError  # noqa: E402
 from duplex.base.messages import AsrChunk  # noqa: E402
 from tests.speech import synthesize  # noqa: E402
 
-TEXT = ["hello how are you today", "what is the capital of france", "book a table for four at seven",
-        "the quick brown fox jumps over the lazy dog", "stop what is two plus two", "thank you very much"]
+TEXT = [
+    "hello how are you today",
+    "what is the capital of france",
+    "book a table for four at seven",
+    "the quick brown fox jumps over the lazy dog",
+    "stop what is two plus two",
+    "thank you very much",
+]
 
 
 def lookahead0_startup_frames(left_context: int, n_layers: int) -> int:
@@ -44,8 +50,16 @@ def tiny(tmp_path_factory):
     tok = train_tokenizer(TEXT * 20, tmp_path_factory.mktemp("tok"), vocab_size=40)
     models = {}
     for kind in ("ctc", "hybrid"):
-        cfg = model_config(tok, d_model=32, n_layers=2, n_heads=2, conv_kernel_size=5,
-                           subsampling_conv_channels=16, decoder=kind, dropout=0.0)
+        cfg = model_config(
+            tok,
+            d_model=32,
+            n_layers=2,
+            n_heads=2,
+            conv_kernel_size=5,
+            subsampling_conv_channels=16,
+            decoder=kind,
+            dropout=0.0,
+        )
         torch.manual_seed(1)
         m = build_model(cfg).eval()
         with torch.no_grad():  # a random head emits blanks and tokens alike: transcripts are not empty
@@ -57,8 +71,9 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def speech():
-    return np.concatenate([synthesize("What is the capital of France? I would like to know."),
-                           np.zeros(4000, np.float32)])
+    return np.concatenate(
+        [synthesize("What is the capital of France? I would like to know."), np.zeros(4000, np.float32)]
+    )
 
 
 def offline(model: NemoStreamingModel, audio: np.ndarray):
@@ -74,7 +89,7 @@ def stream(stage: NemoStreamingAsrStage, audio: np.ndarray, sizes: list[int]):
     state, out, i, k = stage.init_state(), None, 0, 0
     while i < audio.size:
         n = sizes[k % len(sizes)]
-        out, state = stage.step(state, AsrChunk(audio[i: i + n], transcribe=True))
+        out, state = stage.step(state, AsrChunk(audio[i : i + n], transcribe=True))
         i, k = i + n, k + 1
     out, state = stage.step(state, AsrChunk(np.zeros(0, np.float32), transcribe=True, final=True))
     return out, state
@@ -87,7 +102,7 @@ def test_incremental_features_equal_offline(tiny, speech):
         state, got, i, k = model.model and NemoStreamingAsrStage(model).init_state(), [], 0, 0
         while i < speech.size:
             n = sizes[k % len(sizes)]
-            state, f = model.features_for(state, speech[i: i + n], final=False)
+            state, f = model.features_for(state, speech[i : i + n], final=False)
             if f is not None:
                 got.append(f)
             assert state.next_frame == complete_frames(min(i + n, speech.size))
@@ -102,7 +117,9 @@ def test_incremental_features_equal_offline(tiny, speech):
 @pytest.mark.parametrize("kind", ["ctc", "hybrid"])
 @pytest.mark.parametrize("context", ATT_CONTEXT_SIZES, ids=lambda c: f"lookahead{c[1]}")
 def test_streaming_equals_offline(tiny, speech, kind, context):
-    model = NemoStreamingModel(tiny[kind], att_context_size=context, decoder="ctc" if kind == "ctc" else "rnnt")
+    model = NemoStreamingModel(
+        tiny[kind], att_context_size=context, decoder="ctc" if kind == "ctc" else "rnnt"
+    )
     model.keep_encoded = True
     stage = NemoStreamingAsrStage(model)
     skip = 0
@@ -135,8 +152,10 @@ def test_streaming_equals_offline(tiny, speech, kind, context):
         else:
             with torch.inference_mode():
                 hyps = model.model.decoding.rnnt_decoder_predictions_tensor(
-                    encoder_output=ref_enc[None], encoded_lengths=torch.tensor([ref_enc.shape[1]]),
-                    return_hypotheses=True)
+                    encoder_output=ref_enc[None],
+                    encoded_lengths=torch.tensor([ref_enc.shape[1]]),
+                    return_hypotheses=True,
+                )
             hyps = hyps[0] if isinstance(hyps, tuple) else hyps
             expected = model.tokenizer.ids_to_text([int(t) for t in hyps[0].y_sequence])
         assert " ".join(expected.split()) == texts.pop()
@@ -146,7 +165,9 @@ def test_streaming_equals_offline(tiny, speech, kind, context):
 @pytest.mark.parametrize("kind", ["ctc", "hybrid"])
 def test_batched_sessions_equal_each_alone(tiny, kind):
     """Four sessions with different audio, joining and leaving mid-stream, stepped as one batch."""
-    model = NemoStreamingModel(tiny[kind], att_context_size=[70, 6], decoder="ctc" if kind == "ctc" else "rnnt")
+    model = NemoStreamingModel(
+        tiny[kind], att_context_size=[70, 6], decoder="ctc" if kind == "ctc" else "rnnt"
+    )
     model.keep_encoded = True
     stage = NemoStreamingAsrStage(model)
     audios = [synthesize(t) for t in TEXT[:4]]
@@ -166,8 +187,16 @@ def test_batched_sessions_equal_each_alone(tiny, kind):
                 states[s] = stage.init_state()
             a = audios[s]
             done = pos[s] >= a.size
-            items.append((states[s], AsrChunk(a[pos[s]: pos[s] + packet] if not done else np.zeros(0, np.float32),
-                                               transcribe=True, final=done)))
+            items.append(
+                (
+                    states[s],
+                    AsrChunk(
+                        a[pos[s] : pos[s] + packet] if not done else np.zeros(0, np.float32),
+                        transcribe=True,
+                        final=done,
+                    ),
+                )
+            )
             who.append(s)
             pos[s] += packet
         assert len(items) >= 1
@@ -179,26 +208,38 @@ def test_batched_sessions_equal_each_alone(tiny, kind):
     for s in range(4):
         (out_b, st_b), (out_a, st_a) = finals[s], alone[s]
         assert out_b.text == out_a.text and out_b.words == out_a.words
-        torch.testing.assert_close(torch.cat(st_b.encoded, 1), torch.cat(st_a.encoded, 1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            torch.cat(st_b.encoded, 1), torch.cat(st_a.encoded, 1), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_nemo_file_loads_through_models_yaml_path(tiny, speech, tmp_path):
     path = tmp_path / "tiny_streaming.nemo"
     tiny["ctc"].save_to(str(path))
-    cfg = ComponentConfig(name="asr", backend="nemo-streaming", weights={"path": str(path)},
-                          options={"lookahead_ms": 480, "decoder": "ctc", "eou_silence_ms": 320})
+    cfg = ComponentConfig(
+        name="asr",
+        backend="nemo-streaming",
+        weights={"path": str(path)},
+        options={"lookahead_ms": 480, "decoder": "ctc", "eou_silence_ms": 320},
+    )
     stage = load_streaming_asr_stage(cfg)
     assert stage.m.att_context_size == [70, 6] and stage.m.lookahead_ms == 480 and stage.m.chunk_ms == 560
     direct = NemoStreamingAsrStage(NemoStreamingModel(tiny["ctc"], att_context_size=[70, 6]))
     assert stream(stage, speech, [4000])[0].text == stream(direct, speech, [4000])[0].text
     with pytest.raises(ConfigError, match="lookahead_ms 500 is not one of the model's"):
-        load_streaming_asr_stage(ComponentConfig("asr", "nemo-streaming", {"path": str(path)}, {"lookahead_ms": 500}))
+        load_streaming_asr_stage(
+            ComponentConfig("asr", "nemo-streaming", {"path": str(path)}, {"lookahead_ms": 500})
+        )
     with pytest.raises(ConfigError, match="needs an RNNT"):
-        load_streaming_asr_stage(ComponentConfig("asr", "nemo-streaming", {"path": str(path)}, {"decoder": "rnnt"}))
+        load_streaming_asr_stage(
+            ComponentConfig("asr", "nemo-streaming", {"path": str(path)}, {"decoder": "rnnt"})
+        )
     from duplex.base.errors import ModelError
 
     with pytest.raises(ModelError, match="does not exist"):
-        load_streaming_asr_stage(ComponentConfig("asr", "nemo-streaming", {"path": str(tmp_path / "no.nemo")}))
+        load_streaming_asr_stage(
+            ComponentConfig("asr", "nemo-streaming", {"path": str(tmp_path / "no.nemo")})
+        )
     bad = tmp_path / "bad.nemo"
     bad.write_bytes(b"not a tar file")
     with pytest.raises(ModelError, match="cannot load NeMo checkpoint"):
@@ -235,8 +276,22 @@ def test_eval_asr_command_scores_each_lookahead_and_times_words_by_the_synthesis
     path = tmp_path / "tiny.nemo"
     tiny["ctc"].save_to(str(path))
     out = tmp_path / "eval"
-    rc = cli_main(["eval", "asr", "--model", str(path), "-n", "3", "--lookaheads", "480,0", "--no-moonshine",
-                   "--no-progress", "--out", str(out)])
+    rc = cli_main(
+        [
+            "eval",
+            "asr",
+            "--model",
+            str(path),
+            "-n",
+            "3",
+            "--lookaheads",
+            "480,0",
+            "--no-moonshine",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0 and (out / "asr.png").exists()
     result = json.loads((out / "asr.json").read_text())
     held = result["sets"]["heldout-voices"]

@@ -19,8 +19,10 @@ from tests.speech import synthesize  # noqa: E402
 # streaming path does with it on real speech (words out while the audio streams in, on time, the
 # end-of-utterance signal, the session core's partials and final); what it should *hear* is asserted by
 # strict xfails that start passing, and so fail, once a better-trained model is shipped (issue 5).
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(not SHIPPED.exists(), reason=f"{SHIPPED.name} is not trained/shipped yet (issue 5)")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not SHIPPED.exists(), reason=f"{SHIPPED.name} is not trained/shipped yet (issue 5)"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +43,12 @@ QUESTION = "What is the capital of France?"
 
 
 def stream_question(stage):
-    audio = np.concatenate([np.zeros(SR // 4, np.float32), synthesize(QUESTION), np.zeros(SR // 2, np.float32)])
+    audio = np.concatenate(
+        [np.zeros(SR // 4, np.float32), synthesize(QUESTION), np.zeros(SR // 2, np.float32)]
+    )
     state, seen_at, packet = stage.init_state(), {}, SR // 50  # 20 ms packets, as a microphone sends
     for i in range(0, audio.size, packet):
-        out, state = stage.step(state, AsrChunk(audio[i: i + packet], transcribe=True))
+        out, state = stage.step(state, AsrChunk(audio[i : i + packet], transcribe=True))
         for k in range(len(out.words)):
             seen_at.setdefault(k, (i + packet) / SR)
     out, state = stage.step(state, AsrChunk(np.zeros(0, np.float32), transcribe=True, final=True))
@@ -62,8 +66,14 @@ def test_shipped_model_streams_words_within_chunk_plus_lookahead(stage):
     assert {"what", "is"} <= words_of(out.text), out.text  # the start of the question is heard
     assert out.is_final and out.words[0].start < out.words[-1].end <= audio.size / SR + 0.1
     bound = (stage.m.chunk_ms + stage.m.lookahead_ms) / 1000 + 0.02
-    late = [(w.word, seen_at[k] - w.end) for k, w in enumerate(out.words) if k in seen_at and seen_at[k] - w.end > bound]
-    assert not late, f"words that appeared later than one chunk + lookahead ({bound:.2f} s) after they ended: {late}"
+    late = [
+        (w.word, seen_at[k] - w.end)
+        for k, w in enumerate(out.words)
+        if k in seen_at and seen_at[k] - w.end > bound
+    ]
+    assert not late, (
+        f"words that appeared later than one chunk + lookahead ({bound:.2f} s) after they ended: {late}"
+    )
     # the decoder's end-of-utterance signal: the trailing half second is blank after the last word
     assert out.trailing_silence_ms >= 240
 
@@ -74,7 +84,7 @@ def test_noise_is_no_word_to_the_decoder(stage):
     noise = (0.05 * np.random.default_rng(0).standard_normal(2 * SR)).astype(np.float32)
     state = stage.init_state()
     for i in range(0, noise.size, SR // 50):
-        out, state = stage.step(state, AsrChunk(noise[i: i + SR // 50], transcribe=True))
+        out, state = stage.step(state, AsrChunk(noise[i : i + SR // 50], transcribe=True))
     assert out.text == "" and not out.words and not out.eou
     assert out.no_words and out.trailing_silence_ms >= 640
 
@@ -89,19 +99,33 @@ def test_session_core_on_the_streaming_asr_transcribes_while_the_user_speaks(sta
     stages = fake_stages(lambda history: "paris is the capital of france")
     import dataclasses
 
-    stages = dataclasses.replace(stages, vad=load_vad_stage(profile.component("vad")), asr=stage,
-                                 asr_streaming=stage.streaming)
+    stages = dataclasses.replace(
+        stages, vad=load_vad_stage(profile.component("vad")), asr=stage, asr_streaming=stage.streaming
+    )
     clock = FakeClock()
     core = SessionCore("s1", profile, stages, clock, options=profile.session)
     speech = synthesize("Could you tell me what the capital of France is?")
     audio = np.concatenate([np.zeros(SR // 2, np.float32), speech, np.zeros(SR * 2, np.float32)])
-    result = replay(core, clock, audio, {"vad": 0.002, "asr.partial": 0.02, "asr.final": 0.05, "llm.first": 0.1,
-                                         "llm.step": 0.05, "tts": 0.01})
+    result = replay(
+        core,
+        clock,
+        audio,
+        {
+            "vad": 0.002,
+            "asr.partial": 0.02,
+            "asr.final": 0.05,
+            "llm.first": 0.1,
+            "llm.step": 0.05,
+            "tts": 0.01,
+        },
+    )
     final = result.events("transcript.final")
     assert final and final[0].text.strip(), final  # a final transcript of the turn (content: see the xfail)
     speech_end = 0.5 + speech.size / SR
     partial_times = [t.t for t in result.outputs if getattr(t.item, "type", "") == "transcript.partial"]
-    assert partial_times and min(partial_times) < speech_end - 0.5, "no partial transcript while the user spoke"
+    assert partial_times and min(partial_times) < speech_end - 0.5, (
+        "no partial transcript while the user spoke"
+    )
     assert result.events("response.done")[0].text == "paris is the capital of france"
 
 
@@ -119,7 +143,9 @@ def test_training_goes_on_from_the_shipped_model(tmp_path):
     ckpt = torch.load(tmp_path / "last.pt", weights_only=False)
     assert ckpt["step"] == info["step"] == meta["restart_step"] and "opt" not in ckpt
     assert {p.name for p in (tmp_path / "tokenizer").iterdir()} >= {"tokenizer.model", "vocab.txt"}
-    model = build_model(model_config(tmp_path / "tokenizer", d_model=meta["d_model"], n_layers=meta["layers"]))
+    model = build_model(
+        model_config(tmp_path / "tokenizer", d_model=meta["d_model"], n_layers=meta["layers"])
+    )
     model.load_state_dict(ckpt["model"])  # strict: every tensor of the shipped model, nothing missing
     assert model.tokenizer.vocab_size == info["vocab"]
     # the learning rate warms up again from the restart step and then follows the original schedule

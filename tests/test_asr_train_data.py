@@ -36,17 +36,21 @@ def test_espeak_word_times_cover_every_word_on_its_sound(speaker):
     assert abs(times[0][0] - onset) < 0.03  # the first word starts where the sound does
     assert times[-1][1] <= audio.size / SAMPLE_RATE + 0.01
     for a, b in times:  # every word's span holds sound
-        assert loud[int(a * 100): int(b * 100) + 1].any()
+        assert loud[int(a * 100) : int(b * 100) + 1].any()
     # the silence after "actor," (a comma pause) is outside both neighbouring words
     actor, mr = times[words.index("actor")], times[words.index("mr")]
     assert mr[0] - actor[1] > 0.05
 
 
 def test_espeak_phonemes_tile_the_words(speaker):
-    audio, words, phones = speaker.speak_timed("Hello there, my friend.", VoiceSpec("espeak", "en-GB-scotland+m3"))
+    audio, words, phones = speaker.speak_timed(
+        "Hello there, my friend.", VoiceSpec("espeak", "en-GB-scotland+m3")
+    )
     assert [p.replace("'", "") for p, _, _ in phones][:4] == ["h", "@", "l", "oU"]
     assert all(a < b for _, a, b in phones)
-    assert all(phones[k][2] == phones[k + 1][1] for k in range(len(phones) - 1))  # each ends where the next starts
+    assert all(
+        phones[k][2] == phones[k + 1][1] for k in range(len(phones) - 1)
+    )  # each ends where the next starts
     assert abs(phones[0][1] - words[0][0]) < 0.03 and phones[-1][2] <= audio.size / SAMPLE_RATE + 1e-6
     spoken = [p for p, _, _ in phones if phone_class(p) != 0]
     assert spoken and all(phone_class(p) != PHONE_CLASSES - 1 for p in spoken)  # all in the table

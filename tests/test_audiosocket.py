@@ -52,10 +52,14 @@ class Harness:
 
 
 async def make_harness(max_sessions: int = 3, **kw) -> Harness:
-    service = DuplexService(load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=max_sessions))
+    service = DuplexService(
+        load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=max_sessions)
+    )
     h = Harness(service, None)  # type: ignore[arg-type]
     loop = asyncio.get_running_loop()
-    h.server = AudioSocketServer(service, "127.0.0.1", 0, on_event=lambda e: h.events.append((loop.time(), e)), **kw)
+    h.server = AudioSocketServer(
+        service, "127.0.0.1", 0, on_event=lambda e: h.events.append((loop.time(), e)), **kw
+    )
     await h.server.start()
     return h
 
@@ -140,7 +144,11 @@ async def test_talking_over_the_answer_stops_the_audio(gw):
     interrupted = gw.of(Interrupted, sid)
     assert len(interrupted) == 1 and interrupted[0].played_text
     t_int = next(t for t, e in gw.events if isinstance(e, Interrupted))
-    t_next = next(t for t, e in gw.events if isinstance(e, ResponseAudioStarted) and e.turn_id == interrupted[0].turn_id + 1)
+    t_next = next(
+        t
+        for t, e in gw.events
+        if isinstance(e, ResponseAudioStarted) and e.turn_id == interrupted[0].turn_id + 1
+    )
     assert t_barge < t_int < t_barge + 0.6  # barge-in needs ~100 ms of speech, plus VAD windows
     # no story audio after the interruption (one in-flight write of slack), until the new answer
     late = [f for f in call.frames if t_int + 0.05 < f.received < t_next]
@@ -172,8 +180,12 @@ async def test_hangup_mid_answer_frees_the_session(gw, how, caplog):
         await call.send_truncated(length=320, sent=100)  # EOF in the middle of a message
     await until(lambda: not gw.service.sessions, 0.5)  # at once, not at the end of the answer
     await call.close()
-    reason = {"terminate": "peer hung up", "close": "peer closed the connection",
-              "abort": "connection", "truncated": "truncated message"}[how]
+    reason = {
+        "terminate": "peer hung up",
+        "close": "peer closed the connection",
+        "abort": "connection",
+        "truncated": "truncated message",
+    }[how]
     assert any("ended: " + reason in r.getMessage() for r in caplog.records)
     # and the server still answers the next call
     async with gw.call() as again:
@@ -237,9 +249,16 @@ async def test_malformed_input_is_survived_while_a_parallel_call_answers(gw, cap
     await until(lambda: not gw.service.sessions, 2)
     assert gw.service.sessions_total == 3  # the good call, the junk call and the garbage-after-UUID call
     text = "\n".join(r.getMessage() for r in caplog.records)
-    for expected in ["unknown message type 0x42", "even byte count", "error 0x02 (frame forwarding error)",
-                     "bad DTMF", "second call UUID", "8002 bytes", "type 0x10 before the call UUID",
-                     "call UUID of 4 bytes"]:
+    for expected in [
+        "unknown message type 0x42",
+        "even byte count",
+        "error 0x02 (frame forwarding error)",
+        "bad DTMF",
+        "second call UUID",
+        "8002 bytes",
+        "type 0x10 before the call UUID",
+        "call UUID of 4 bytes",
+    ]:
         assert expected in text
 
 
@@ -328,9 +347,14 @@ async def test_a_failing_on_event_callback_does_not_end_the_call():
         service.close()
 
 
-@pytest.mark.parametrize(("host", "allowed", "warned"), [
-    ("0.0.0.0", None, True), ("0.0.0.0", [uuid.uuid4()], False), ("127.0.0.1", None, False),
-])
+@pytest.mark.parametrize(
+    ("host", "allowed", "warned"),
+    [
+        ("0.0.0.0", None, True),
+        ("0.0.0.0", [uuid.uuid4()], False),
+        ("127.0.0.1", None, False),
+    ],
+)
 async def test_an_open_listener_without_allow_list_is_warned_about(host, allowed, warned, caplog):
     caplog.set_level(logging.WARNING, logger="duplex.transports.audiosocket")
     service = DuplexService(load_profile("cpu"), fake_stages(scripted_answer))

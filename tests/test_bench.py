@@ -102,17 +102,29 @@ async def test_bench_against_tone_server(server, tmp_path) -> None:
 def test_count_leaks_counts_frames_between_interrupt_and_next_answer() -> None:
     from duplex.bench.common import Rx, count_leaks
 
-    log = [Rx(0.0, {"type": "response.audio.started"}), Rx(0.1, None, 0.04),
-           Rx(0.2, {"type": "response.interrupted"}), Rx(0.3, None, 0.04), Rx(0.35, None, 0.04),
-           Rx(0.4, {"type": "response.audio.started"}), Rx(0.5, None, 0.04)]
+    log = [
+        Rx(0.0, {"type": "response.audio.started"}),
+        Rx(0.1, None, 0.04),
+        Rx(0.2, {"type": "response.interrupted"}),
+        Rx(0.3, None, 0.04),
+        Rx(0.35, None, 0.04),
+        Rx(0.4, {"type": "response.audio.started"}),
+        Rx(0.5, None, 0.04),
+    ]
     assert count_leaks(log) == 2
 
 
-
 async def test_bench_without_barge_ins_reports_and_plots(server, tmp_path) -> None:
-    result = await run_bench(f"ws://127.0.0.1:{server.port}/v1/duplex", turns=1, barge_ins=0, synth=tone_synth,
-                             out_dir=tmp_path, questions=["What is the capital of France?"],
-                             session_options={"relay": True}, progress=None)
+    result = await run_bench(
+        f"ws://127.0.0.1:{server.port}/v1/duplex",
+        turns=1,
+        barge_ins=0,
+        synth=tone_synth,
+        out_dir=tmp_path,
+        questions=["What is the capital of France?"],
+        session_options={"relay": True},
+        progress=None,
+    )
     # a run with --barge-ins 0 used to crash while plotting; its barge-in target is not measured, not missed
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = format_table(result)

@@ -19,10 +19,16 @@ def test_every_transport_answers_and_adds_almost_nothing_over_native():
     url = server.start()
     try:
         prompt = "what is the capital of france"
-        result = asyncio.run(run_transport_bench(
-            url.split("/v1/")[0], ["native", "twilio", "audiosocket", "realtime"], [prompt],
-            {prompt: tone_speech(prompt)}, audiosocket=server.audiosocket, progress=None,
-        ))
+        result = asyncio.run(
+            run_transport_bench(
+                url.split("/v1/")[0],
+                ["native", "twilio", "audiosocket", "realtime"],
+                [prompt],
+                {prompt: tone_speech(prompt)},
+                audiosocket=server.audiosocket,
+                progress=None,
+            )
+        )
     finally:
         server.stop()
         service.close()

@@ -98,7 +98,14 @@ def test_batch_steps_each_session() -> None:
 
 # -- low-latency resampler -------------------------------------------------------------------
 
-LOW_LATENCY_PAIRS = [(8000, 16000), (24000, 8000), (16000, 24000), (48000, 16000), (44100, 16000), (16000, 8000)]
+LOW_LATENCY_PAIRS = [
+    (8000, 16000),
+    (24000, 8000),
+    (16000, 24000),
+    (48000, 16000),
+    (44100, 16000),
+    (16000, 8000),
+]
 
 
 @pytest.mark.parametrize(("sr_in", "sr_out"), LOW_LATENCY_PAIRS)

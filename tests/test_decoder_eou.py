@@ -29,8 +29,16 @@ from duplex.testing.fakes import (
     tone_speech,
 )
 
-COSTS = {"vad": 0.002, "asr.partial": 0.02, "asr.final": 0.03, "llm.first": 0.2, "llm.step": 0.1,
-         "llm.listen": 0.03, "llm.overlap": 0.03, "tts": 0.02}
+COSTS = {
+    "vad": 0.002,
+    "asr.partial": 0.02,
+    "asr.final": 0.03,
+    "llm.first": 0.2,
+    "llm.step": 0.1,
+    "llm.listen": 0.03,
+    "llm.overlap": 0.03,
+    "tts": 0.02,
+}
 EOU_S = 0.64
 
 
@@ -163,8 +171,18 @@ def test_noise_over_an_answer_does_not_stop_it_but_words_still_do():
 
     # words in a noisy room still interrupt: noise, then "stop what is two plus two"
     t_noise = 0.5 + len(q) / SR + 2.5
-    words = np.concatenate([silence(0.5), q, silence(2.5), noise(1.5), tone_speech("stop"), silence(0.3),
-                            tone_speech("what is two plus two"), silence(4.0)])
+    words = np.concatenate(
+        [
+            silence(0.5),
+            q,
+            silence(2.5),
+            noise(1.5),
+            tone_speech("stop"),
+            silence(0.3),
+            tone_speech("what is two plus two"),
+            silence(4.0),
+        ]
+    )
     core, clock = make_core()
     result = replay(core, clock, words, COSTS)
     interrupted = result.events("response.interrupted")

@@ -30,8 +30,16 @@ def _types(listener) -> list[str]:
 
 
 def _summary(listener) -> str:
-    keep = ("transcript.final", "turn.decision", "response.started", "response.done", "response.interrupted",
-            "backchannel", "speech.started", "speech.stopped")
+    keep = (
+        "transcript.final",
+        "turn.decision",
+        "response.started",
+        "response.done",
+        "response.interrupted",
+        "backchannel",
+        "speech.started",
+        "speech.stopped",
+    )
     return "\n".join(f"{t:9.2f} {e}" for t, e in listener.events if e["type"] in keep)
 
 
@@ -73,7 +81,10 @@ async def test_complete_question_is_answered_quickly(live, say):
 
 async def test_uh_huh_during_an_answer_does_not_stop_it(live, say):
     async with session(live) as (ws, listener):
-        await stream(ws, np.concatenate([silence(0.3), say("Tell me a story about a dragon and a knight."), silence(0.8)]))
+        await stream(
+            ws,
+            np.concatenate([silence(0.3), say("Tell me a story about a dragon and a knight."), silence(0.8)]),
+        )
         await listener.wait_for("response.audio.started", limit_s=60)
         await stream(ws, silence(1.0))
         await stream(ws, np.concatenate([say("Uh-huh."), silence(2.5)]))
@@ -87,7 +98,10 @@ async def test_uh_huh_during_an_answer_does_not_stop_it(live, say):
 
 async def test_stop_what_is_two_plus_two_stops_the_answer_and_answers_four(live, say):
     async with session(live) as (ws, listener):
-        await stream(ws, np.concatenate([silence(0.3), say("Tell me a story about a dragon and a knight."), silence(0.8)]))
+        await stream(
+            ws,
+            np.concatenate([silence(0.3), say("Tell me a story about a dragon and a knight."), silence(0.8)]),
+        )
         await listener.wait_for("response.audio.started", limit_s=60)
         await stream(ws, silence(1.0))
         loop_t = listener.events[-1][0]

@@ -48,8 +48,9 @@ def four_layers(vocab: int = 400, seed: int = 0):
 
 def write_adapter(model, kept: list[int], path: Path, sha: str = "ab" * 32) -> None:
     save_file({k: v.contiguous() for k, v in TD.adapter_tensors(model).items()}, str(path))
-    path.with_suffix(".json").write_text(json.dumps(
-        {"format": DA.FORMAT, "base_sha256": sha, "kept_layers": kept, "rank": 4, "alpha": 8.0}))
+    path.with_suffix(".json").write_text(
+        json.dumps({"format": DA.FORMAT, "base_sha256": sha, "kept_layers": kept, "rank": 4, "alpha": 8.0})
+    )
 
 
 def trained_like(base, kept: list[int]):
@@ -82,7 +83,9 @@ def test_the_adapter_file_rebuilds_the_trained_model(tmp_path: Path) -> None:
         want = TD.merge_lora(trained).model(input_ids=ids).last_hidden_state
         lora_out = trained.model(input_ids=ids).last_hidden_state
         got = fresh.model(input_ids=ids).last_hidden_state
-        fast = FastDecoder(copy.deepcopy(fresh)).forward(DynamicCache(config=fresh.config), ids[0].tolist(), 0)
+        fast = FastDecoder(copy.deepcopy(fresh)).forward(
+            DynamicCache(config=fresh.config), ids[0].tolist(), 0
+        )
     assert torch.allclose(got, want, atol=1e-5) and torch.allclose(lora_out, want, atol=1e-5)
     assert torch.equal(fast, got)
 
@@ -125,18 +128,32 @@ def test_a_few_steps_of_distillation_learn_the_answer(tokenizer) -> None:  # noq
     model = tiny("llama", len(tokenizer), 4).train()
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)  # a trained head is confident; a random one of std 0.02 is not
-    rows = [{"key": f"k{i}", "split": "train", "history": [], "text": q, "answer": a, "ended": True}
-            for i, (q, a) in enumerate([("what is the capital of france", "the capital of france is paris"),
-                                        ("how are you today", "i am fine thanks")])]
+    rows = [
+        {"key": f"k{i}", "split": "train", "history": [], "text": q, "answer": a, "ended": True}
+        for i, (q, a) in enumerate(
+            [
+                ("what is the capital of france", "the capital of france is paris"),
+                ("how are you today", "i am fine thanks"),
+            ]
+        )
+    ]
     examples = TD.build_examples(tokenizer, SYSTEM, rows)
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert examples[0].target[-1] == stop  # an answer that ended teaches the end of turn too
-    assert examples[0].prompt == tokenizer.apply_chat_template(
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": rows[0]["text"]}],
-        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert (
+        examples[0].prompt
+        == tokenizer.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": rows[0]["text"]}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+    )
     TD.add_lora(model, rank=8, alpha=16.0, dropout=0.0)
     params = [p for p in model.parameters() if p.requires_grad]
-    assert params and all(not p.requires_grad for n, p in model.named_parameters() if n.endswith("base.weight"))
+    assert params and all(
+        not p.requires_grad for n, p in model.named_parameters() if n.endswith("base.weight")
+    )
     opt = torch.optim.AdamW(params, lr=1e-2)
     pad = tokenizer.pad_token_id
     first = TD.mean_loss(model, examples, pad)
@@ -158,10 +175,16 @@ def test_the_shared_system_prompt_runs_once_with_the_same_loss_and_gradients(tok
         for mod in model.modules():
             if isinstance(mod, TD.LoraLinear):
                 mod.lora_b.normal_(0, 0.1)
-    rows = [{"key": str(i), "split": "train", "history": [], "text": q, "answer": a, "ended": i % 2 == 0}
-            for i, (q, a) in enumerate([("tell me a story please", "once upon a time there was a cat"),
-                                        ("how are you today", "i am fine thanks"),
-                                        ("what is two plus two", "two plus two is four")])]
+    rows = [
+        {"key": str(i), "split": "train", "history": [], "text": q, "answer": a, "ended": i % 2 == 0}
+        for i, (q, a) in enumerate(
+            [
+                ("tell me a story please", "once upon a time there was a cat"),
+                ("how are you today", "i am fine thanks"),
+                ("what is two plus two", "two plus two is four"),
+            ]
+        )
+    ]
     batch = TD.build_examples(tokenizer, SYSTEM, rows)
     assert TD.shared_prefix([e.prompt + e.target for e in batch]) >= 5
     grads = []
@@ -169,7 +192,9 @@ def test_the_shared_system_prompt_runs_once_with_the_same_loss_and_gradients(tok
         model.zero_grad()
         loss, n = TD.batch_loss(model, batch, tokenizer.pad_token_id, share=share)
         loss.backward()
-        grads.append((float(loss.detach()), n, [p.grad.clone() for p in model.parameters() if p.requires_grad]))
+        grads.append(
+            (float(loss.detach()), n, [p.grad.clone() for p in model.parameters() if p.requires_grad])
+        )
     (l0, n0, g0), (l1, n1, g1) = grads
     assert n0 == n1 and l1 == pytest.approx(l0, rel=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(g0, g1, strict=True))

@@ -26,8 +26,9 @@ def test_relay_eval_prompts_are_held_out_and_never_trained_on() -> None:
     keys = {dp.key: dp.split for dp in prompts}
     for line in (DD.DATA_DIR / "relay_eval.jsonl").read_text().splitlines():
         row = json.loads(line)
-        p = RP.Prompt(row["group"], row["source"], tuple((m["role"], m["content"]) for m in row["history"]),
-                      row["text"])
+        p = RP.Prompt(
+            row["group"], row["source"], tuple((m["role"], m["content"]) for m in row["history"]), row["text"]
+        )
         assert keys.get(DD.prompt_key(p)) == "heldout", row["text"]
     # the extra caller-request families only ever add training prompts
     assert all(dp.split == "train" for dp in prompts if dp.prompt.source in ("extra", "generated", "tpl"))
@@ -48,7 +49,9 @@ def test_slow_answer_is_greedy_decoding(tokenizer) -> None:  # noqa: F811
     with torch.no_grad():
         model.lm_head.weight.mul_(10.0)
     warm = RF.WarmModel(model, tokenizer, "You are a friendly voice assistant on a phone call.", "tiny")
-    ids = TV.V.chat_ids(tokenizer, "You are a friendly voice assistant on a phone call.", [], "how are you today")
+    ids = TV.V.chat_ids(
+        tokenizer, "You are a friendly voice assistant on a phone call.", [], "how are you today"
+    )
     toks, ended = DD.slow_answer(warm, ids, max_tokens=8)
     ref: list[int] = []
     seq = list(ids)
@@ -65,11 +68,19 @@ def test_slow_answer_is_greedy_decoding(tokenizer) -> None:  # noqa: F811
 
 def test_the_relay_benchmark_holds_no_corpus_debris(tmp_path) -> None:
     # trivia.yml's 14th entry is one string: read as a list it gave one caller turn per character
-    assert RP.is_corpus_debris([], "h") and RP.is_corpus_debris((("user", "-"), ("assistant", "Sorry.")), "Who won")
-    assert not RP.is_corpus_debris([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "7"}], "Why")
+    assert RP.is_corpus_debris([], "h") and RP.is_corpus_debris(
+        (("user", "-"), ("assistant", "Sorry.")), "Who won"
+    )
+    assert not RP.is_corpus_debris(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "7"}], "Why"
+    )
     rows = [json.loads(line) for line in (DD.DATA_DIR / "relay_eval.jsonl").read_text().splitlines()]
     assert len(rows) == 480 and not [r["text"] for r in rows if RP.is_corpus_debris(r["history"], r["text"])]
     # the writer leaves it out (the splits still count it, so the shipped ones stay reproducible)
-    ex = [{"history": [], "text": t, "group": "g", "source": "s", "label": 1} for t in ("h", "Who painted it")]
+    ex = [
+        {"history": [], "text": t, "group": "g", "source": "s", "label": 1} for t in ("h", "Who painted it")
+    ]
     TV.write_eval(ex, [0, 1], tmp_path / "eval.jsonl")
-    assert [json.loads(line)["text"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()] == ["Who painted it"]
+    assert [json.loads(line)["text"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()] == [
+        "Who painted it"
+    ]

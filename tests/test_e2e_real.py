@@ -71,7 +71,11 @@ class Listener:
     async def wait_for(self, type_: str, count: int = 1, limit_s: float = 60.0, **match) -> dict:
         async with asyncio.timeout(limit_s):
             while True:
-                hits = [e for _, e in self.events if e["type"] == type_ and all(e.get(k) == v for k, v in match.items())]
+                hits = [
+                    e
+                    for _, e in self.events
+                    if e["type"] == type_ and all(e.get(k) == v for k, v in match.items())
+                ]
                 if len(hits) >= count:
                     return hits[count - 1]
                 await asyncio.sleep(0.02)
@@ -96,6 +100,7 @@ async def session(live):
         finally:
             listener.task.cancel()
 
+
 async def test_spoken_question_gets_a_spoken_answer_that_mentions_paris(live, say, asr_model):
     async with session(live) as (ws, listener):
         await stream(ws, np.concatenate([silence(0.5), say("What is the capital of France?"), silence(1.0)]))
@@ -110,12 +115,23 @@ async def test_spoken_question_gets_a_spoken_answer_that_mentions_paris(live, sa
         heard = asr_model.transcribe(resample(answer, 24000, SR))
         assert "paris" in heard.lower(), (heard, done["text"])
         latency = await listener.wait_for("turn.latency")
-        assert {"end_of_turn", "final_transcript", "first_llm_token", "first_tts_chunk", "first_audio"} <= set(latency["stages"])
+        assert {
+            "end_of_turn",
+            "final_transcript",
+            "first_llm_token",
+            "first_tts_chunk",
+            "first_audio",
+        } <= set(latency["stages"])
 
 
 async def test_talking_over_an_answer_stops_it_and_the_new_question_is_answered(live, say):
     async with session(live) as (ws, listener):
-        await stream(ws, np.concatenate([silence(0.3), say("Tell me a long story about a dragon and a knight."), silence(0.8)]))
+        await stream(
+            ws,
+            np.concatenate(
+                [silence(0.3), say("Tell me a long story about a dragon and a knight."), silence(0.8)]
+            ),
+        )
         await listener.wait_for("response.audio.started", limit_s=60)
         await stream(ws, silence(1.5))  # let it talk for a while
         # a comma, not a full stop: hibari pauses 0.7 s after "Stop." (longer than the 500 ms

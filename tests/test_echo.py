@@ -34,8 +34,9 @@ def babble(seconds: float, seed: int, level: float = 0.1) -> np.ndarray:
     return (level * x / np.sqrt(np.mean(x[envelope > 0] ** 2))).astype(np.float32)
 
 
-def room_response(rate: int = SR, delay_s: float = 0.04, tail_s: float = 0.15, gain: float = 0.5,
-                  seed: int = 3) -> np.ndarray:
+def room_response(
+    rate: int = SR, delay_s: float = 0.04, tail_s: float = 0.15, gain: float = 0.5, seed: int = 3
+) -> np.ndarray:
     """Loudspeaker -> microphone: `delay_s` of nothing, then `tail_s` of exponentially decaying
     (60 dB) random reflections with unit energy times `gain` (0.5: the echo at -6 dB)."""
     rng = np.random.default_rng(seed)
@@ -117,7 +118,11 @@ def test_double_talk_keeps_the_near_end_and_the_filter(near_kind):
     """A user talks over the bot; the server stops the bot 300 ms later; the bot answers again."""
     far = babble(10.0, 1, level=0.15)
     far[int(5.3 * SR) : int(6.6 * SR)] = 0.0  # the barge-in silenced the bot
-    near = babble(1.5, 9, level=0.08) if near_kind == "babble" else tone_speech("stop what is two plus", SR, 0.12)
+    near = (
+        babble(1.5, 9, level=0.08)
+        if near_kind == "babble"
+        else tone_speech("stop what is two plus", SR, 0.12)
+    )
     at = 5 * SR
     echo = through(far, room_response(delay_s=0.04))
     mic = echo.copy()
@@ -148,8 +153,12 @@ def test_an_echo_path_change_is_caught_within_a_second():
     """The laptop moved and the volume went up 6 dB: the bot may be cut once, not answer after answer."""
     far = babble(12.0, 3, level=0.15)
     change = 6 * SR
-    echo = np.concatenate([through(far, room_response(gain=0.5, seed=3))[:change],
-                           through(far, room_response(delay_s=0.06, gain=1.0, seed=9))[change:]])
+    echo = np.concatenate(
+        [
+            through(far, room_response(gain=0.5, seed=3))[:change],
+            through(far, room_response(delay_s=0.06, gain=1.0, seed=9))[change:],
+        ]
+    )
     out = EchoCanceller(EchoConfig.for_mode("aec")).process(echo, far)
     assert not heard_as_speech(out[:change])
     assert not heard_as_speech(out[change + SR :])

@@ -25,9 +25,15 @@ CHATML = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CORPUS = [
-    "what is the capital of france", "the capital of france is paris", "tell me a story please",
-    "once upon a time there was a cat", "how are you today", "i am fine thanks", "stop what is two plus two",
-    "two plus two is four", "you are a friendly voice assistant on a phone call",
+    "what is the capital of france",
+    "the capital of france is paris",
+    "tell me a story please",
+    "once upon a time there was a cat",
+    "how are you today",
+    "i am fine thanks",
+    "stop what is two plus two",
+    "two plus two is four",
+    "you are a friendly voice assistant on a phone call",
 ] * 20
 SYSTEM = "You are a friendly voice assistant on a phone call."
 
@@ -46,19 +52,31 @@ def tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>"
+    )
     fast.chat_template = CHATML
     return fast
 
 
 def tiny(arch: str, vocab: int, seed: int):
     torch.manual_seed(seed)
-    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+    kw = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(LlamaConfig(**kw)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**kw))
     return model.eval()
 
@@ -75,15 +93,20 @@ def test_conversation_through_the_cache_equals_a_full_reprefill(tokenizer, arch)
     conv = Conversations(CachedLM(model, sink_tokens=len(r.system_ids), window_tokens=4000), r)
     track = conv.new_track()
     history: list[dict[str, str]] = []
-    for user, bot in [("what is the capital of france", "the capital of france is paris"),
-                      ("tell me a story", "once upon a time there was a cat"), ("how are you", "i am fine")]:
+    for user, bot in [
+        ("what is the capital of france", "the capital of france is paris"),
+        ("tell me a story", "once upon a time there was a cat"),
+        ("how are you", "i am fine"),
+    ]:
         # the user's words arrive slice by slice, with one revision, then the turn ends
         words = user.split()
         for k in range(1, len(words) + 1):
             conv.sync(track, pieces_for(r, history, open_user=" ".join(words[:k])))
         conv.sync(track, pieces_for(r, history, open_user=user + " x"))  # a partial the ASR revised
         fed = conv.sync(track, pieces_for(r, history + [{"role": "user", "content": user}], answer_prefix=""))
-        assert fed <= len(r.encode(" x<|im_end|>\n<|im_start|>assistant\n")) + 1  # little left at the end of turn
+        assert (
+            fed <= len(r.encode(" x<|im_end|>\n<|im_start|>assistant\n")) + 1
+        )  # little left at the end of turn
         history += [{"role": "user", "content": user}, {"role": "assistant", "content": bot}]
         conv.sync(track, pieces_for(r, history))
         ids = r.system_ids + [i for p in pieces_for(r, history) for i in p.ids]
@@ -119,7 +142,9 @@ def test_answer_cut_at_barge_in_keeps_only_the_heard_words(tokenizer):
     conv.append(track, r.encode("once upon a time there was a cat"))
     heard = hist + [{"role": "assistant", "content": "once upon a time"}]
     conv.sync(track, pieces_for(r, heard + [{"role": "user", "content": "stop"}]))
-    ids = r.system_ids + [i for p in pieces_for(r, heard + [{"role": "user", "content": "stop"}]) for i in p.ids]
+    ids = r.system_ids + [
+        i for p in pieces_for(r, heard + [{"role": "user", "content": "stop"}]) for i in p.ids
+    ]
     assert track.cache.ids == ids
     torch.testing.assert_close(track.cache.logits, fresh_logits(model, ids), atol=1e-5, rtol=1e-5)
 
@@ -133,8 +158,10 @@ def test_memory_stays_flat_over_thousands_of_turns(tokenizer):
     history: list[dict[str, str]] = []
     sizes = []
     for turn in range(3000):
-        history += [{"role": "user", "content": f"{CORPUS[turn % 9]} {turn}"},
-                    {"role": "assistant", "content": CORPUS[(turn + 1) % 9]}]
+        history += [
+            {"role": "user", "content": f"{CORPUS[turn % 9]} {turn}"},
+            {"role": "assistant", "content": CORPUS[(turn + 1) % 9]},
+        ]
         if len(history) > 24:
             del history[:12]  # the session core trims its history in bulk
         conv.sync(track, pieces_for(r, history))
@@ -167,8 +194,18 @@ class _Verifier(torch.nn.Module):
 @pytest.mark.parametrize("p_accept", [0.9, 0.1])
 def test_relay_commits_or_discards_the_draft_and_the_slow_model_continues(tokenizer, p_accept):
     slow, drafter = tiny("qwen2", len(tokenizer), 4), tiny("llama", len(tokenizer), 5)
-    stage = DialogueStage(slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12), drafter, tokenizer,
-                          DrafterOptions(draft_words=3), _Heads(), None, _Verifier(p_accept), 0.5)
+    stage = DialogueStage(
+        slow,
+        tokenizer,
+        SlowOptions(system_prompt=SYSTEM, max_new_tokens=12),
+        drafter,
+        tokenizer,
+        DrafterOptions(draft_words=3),
+        _Heads(),
+        None,
+        _Verifier(p_accept),
+        0.5,
+    )
     state = stage.init_state()
     listen, state = stage.step(state, ListenStep([], "what is the capital of france"))
     assert listen.probs[2] == pytest.approx(0.8) and listen.prefill_tokens > 0
@@ -194,10 +231,12 @@ def test_relay_commits_or_discards_the_draft_and_the_slow_model_continues(tokeni
         # the slow model's continuation follows without a second space
         ends_word = prefix_ends_word(info.draft, info.prefix, info.ended)
         assert first == out_prefix + (" " if ends_word else "")
-        cont = tail[len(out_prefix):]
+        cont = tail[len(out_prefix) :]
         # (the cache lags the text by the last decoded token, which is fed only if decoding goes on)
         assert text.startswith(first + (cont[1:] if cont.startswith(" ") else cont) if ends_word else tail)
-    slow_only, _ = DialogueStage(slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12)).generate(msgs)
+    slow_only, _ = DialogueStage(
+        slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12)
+    ).generate(msgs)
     if p_accept < 0.5:
         assert text == slow_only  # a discarded draft leaves no trace in the answer
 
@@ -207,8 +246,18 @@ def test_evaluation_can_force_the_relay_decision(tokenizer, force):
     slow, drafter = tiny("qwen2", len(tokenizer), 4), tiny("llama", len(tokenizer), 5)
     # the verifier's score would commit (0.9) or discard (0.1): the forced decision wins either way
     for p in (0.9, 0.1):
-        stage = DialogueStage(slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12), drafter,
-                              tokenizer, DrafterOptions(draft_words=3), _Heads(), None, _Verifier(p), 0.5)
+        stage = DialogueStage(
+            slow,
+            tokenizer,
+            SlowOptions(system_prompt=SYSTEM, max_new_tokens=12),
+            drafter,
+            tokenizer,
+            DrafterOptions(draft_words=3),
+            _Heads(),
+            None,
+            _Verifier(p),
+            0.5,
+        )
         state = stage.init_state()
         msgs = [{"role": "user", "content": "what is the capital of france"}]
         out, state = stage.step(state, RespondStep(msgs, 4, commit=force))
@@ -227,14 +276,31 @@ def test_a_vetoed_draft_is_not_committed_whatever_its_score(tokenizer, monkeypat
 
     monkeypatch.setattr(V, "draft_veto", veto)
     slow, drafter = tiny("qwen2", len(tokenizer), 4), tiny("llama", len(tokenizer), 5)
-    stage = DialogueStage(slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12), drafter, tokenizer,
-                          DrafterOptions(draft_words=3), _Heads(), None, _Verifier(0.99), 0.5)
-    history = [{"role": "user", "content": "tell me a story"}, {"role": "assistant", "content": "The dragon is a"},
-               {"role": "user", "content": "stop what is two plus two"}]
+    stage = DialogueStage(
+        slow,
+        tokenizer,
+        SlowOptions(system_prompt=SYSTEM, max_new_tokens=12),
+        drafter,
+        tokenizer,
+        DrafterOptions(draft_words=3),
+        _Heads(),
+        None,
+        _Verifier(0.99),
+        0.5,
+    )
+    history = [
+        {"role": "user", "content": "tell me a story"},
+        {"role": "assistant", "content": "The dragon is a"},
+        {"role": "user", "content": "stop what is two plus two"},
+    ]
     out, state = stage.step(stage.init_state(), RespondStep(history, 4))
-    assert out.relay.veto == "repeat" and not out.relay.committed and out.relay.p_accept == pytest.approx(0.99)
+    assert (
+        out.relay.veto == "repeat" and not out.relay.committed and out.relay.p_accept == pytest.approx(0.99)
+    )
     # judged on the draft, the answer the caller cut off and what they said then
-    assert seen == [(prefix_text_of(out.relay), "The dragon is a", "stop what is two plus two", "tell me a story")]
+    assert seen == [
+        (prefix_text_of(out.relay), "The dragon is a", "stop what is two plus two", "tell me a story")
+    ]
     # the evaluation's forced commit still commits it (the veto is the engine's decision)
     out, _ = stage.step(stage.init_state(), RespondStep(history, 4, commit=True))
     assert out.relay.committed
@@ -250,8 +316,18 @@ def test_a_rolling_operating_point_judges_each_draft_against_recent_scores(token
     from dialogue.verifier import RollingThreshold
 
     slow, drafter = tiny("qwen2", len(tokenizer), 4), tiny("llama", len(tokenizer), 5)
-    stage = DialogueStage(slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12), drafter, tokenizer,
-                          DrafterOptions(draft_words=3), _Heads(), None, _Verifier(0.9), 0.5)
+    stage = DialogueStage(
+        slow,
+        tokenizer,
+        SlowOptions(system_prompt=SYSTEM, max_new_tokens=12),
+        drafter,
+        tokenizer,
+        DrafterOptions(draft_words=3),
+        _Heads(),
+        None,
+        _Verifier(0.9),
+        0.5,
+    )
     # recent drafts all scored 0.95: a 0.9 is in their bottom share, so it is discarded ...
     stage.rolling_threshold = RollingThreshold([0.95] * 10, commit=0.8, window=10)
     msgs = [{"role": "user", "content": "what is the capital of france"}]
@@ -274,8 +350,18 @@ def test_preclose_prefills_the_turn_end_so_the_draft_starts_at_once(tokenizer):
     msgs = [{"role": "user", "content": "what is the capital of france"}]
     drafts, listens = [], []
     for preclose in (False, True):
-        stage = DialogueStage(slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12), drafter,
-                              tokenizer, DrafterOptions(draft_words=3), _Heads(), None, _Verifier(0.9), 0.5)
+        stage = DialogueStage(
+            slow,
+            tokenizer,
+            SlowOptions(system_prompt=SYSTEM, max_new_tokens=12),
+            drafter,
+            tokenizer,
+            DrafterOptions(draft_words=3),
+            _Heads(),
+            None,
+            _Verifier(0.9),
+            0.5,
+        )
         state = stage.init_state()
         # slice by slice: each slice rolls back the previous slice's pre-closed turn end
         for text in ("what is", "what is the capital", "what is the capital of france"):
@@ -303,8 +389,19 @@ def test_relay_hands_the_committed_prefix_to_a_remote_slow_model(tokenizer):
     try:
         remote = RemoteChatLlm({"base_url": fake.base_url, "model": "slow", "system_prompt": SYSTEM})
         drafter = tiny("llama", len(tokenizer), 6)
-        stage = DialogueStage(None, None, SlowOptions(system_prompt=SYSTEM), drafter, tokenizer,
-                              DrafterOptions(draft_words=3), _Heads(), None, _Verifier(0.9), 0.5, remote)
+        stage = DialogueStage(
+            None,
+            None,
+            SlowOptions(system_prompt=SYSTEM),
+            drafter,
+            tokenizer,
+            DrafterOptions(draft_words=3),
+            _Heads(),
+            None,
+            _Verifier(0.9),
+            0.5,
+            remote,
+        )
         msgs = [{"role": "user", "content": "what is the capital of france"}]
         text, info = stage.generate(msgs)
         assert info is not None and info.committed and info.prefix
@@ -321,19 +418,32 @@ def test_relay_hands_the_committed_prefix_to_a_remote_slow_model(tokenizer):
 
 def test_a_second_relayed_answer_continues_its_own_prefix_not_the_previous_answer(tokenizer):
     slow, drafter = tiny("qwen2", len(tokenizer), 7), tiny("llama", len(tokenizer), 8)
-    stage = DialogueStage(slow, tokenizer, SlowOptions(system_prompt=SYSTEM, max_new_tokens=12), drafter, tokenizer,
-                          DrafterOptions(draft_words=3), _Heads(), None, _Verifier(0.9), 0.5)
+    stage = DialogueStage(
+        slow,
+        tokenizer,
+        SlowOptions(system_prompt=SYSTEM, max_new_tokens=12),
+        drafter,
+        tokenizer,
+        DrafterOptions(draft_words=3),
+        _Heads(),
+        None,
+        _Verifier(0.9),
+        0.5,
+    )
     state = stage.init_state()
     first = [{"role": "user", "content": "tell me a story"}]
     out, state = stage.step(state, RespondStep(first, 4))
     out, state = stage.step(state, RespondStep(None, 4))  # the first answer is being decoded...
-    second = first + [{"role": "user", "content": "what is the capital of france"}]  # ...and cut by a new turn
+    second = first + [
+        {"role": "user", "content": "what is the capital of france"}
+    ]  # ...and cut by a new turn
     out, state = stage.step(state, RespondStep(second, 4))
     assert out.relay is not None and out.relay.committed
     prefix = out.text
     out, state = stage.step(state, RespondStep(None, 4))
-    want = stage.slow.renderer.system_ids + [i for p in pieces_for(stage.slow.renderer, second, answer_prefix=prefix)
-                                             for i in p.ids]
+    want = stage.slow.renderer.system_ids + [
+        i for p in pieces_for(stage.slow.renderer, second, answer_prefix=prefix) for i in p.ids
+    ]
     assert state.slow.cache.ids[: len(want)] == want
 
 
@@ -350,7 +460,8 @@ def test_first_step_decodes_until_the_first_phrase_and_the_answer_is_unchanged(t
     # it stopped at the first token that made the phrase speakable (or at its cap / the end)
     assert out.done or out.n_tokens == FIRST_PHRASE_MAX_TOKENS or first_phrase_ready(out.text, False, 3)
     assert out.n_tokens == 1 or not first_phrase_ready(
-        tokenizer.decode(state.response_ids[:-1], skip_special_tokens=True), False, 3)
+        tokenizer.decode(state.response_ids[:-1], skip_special_tokens=True), False, 3
+    )
     text = out.text
     while not out.done:
         out, state = stage.step(state, RespondStep(None, 4))

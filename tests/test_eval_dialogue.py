@@ -49,13 +49,16 @@ def _run(onset: float, quality: float, committed: bool = False, answer: str = "a
 def test_relay_at_any_threshold_is_the_committed_or_the_discarded_run():
     rows = []
     for i in range(10):
-        rows.append({
-            "p": i / 10, "label": int(i >= 5),
-            "slow": _run(0.3 + 0.01 * i, 6.0),
-            "commit": _run(0.05, 5.0, committed=True, answer="b"),
-            "discard": _run(0.35 + 0.01 * i, 6.0),
-            "mismatched_quality": 4.0,
-        })
+        rows.append(
+            {
+                "p": i / 10,
+                "label": int(i >= 5),
+                "slow": _run(0.3 + 0.01 * i, 6.0),
+                "commit": _run(0.05, 5.0, committed=True, answer="b"),
+                "discard": _run(0.35 + 0.01 * i, 6.0),
+                "mismatched_quality": 4.0,
+            }
+        )
     r = summarise_relay(rows, threshold=0.45, points={"latency": 0.0})
     assert r["n"] == 10 and r["committed_fraction"] == 0.5 and r["verifier_auroc"] == 1.0
     # the five drafts scored >= 0.45 commit: their onset and grade are the committed run's
@@ -86,9 +89,23 @@ def test_resummarise_rejudges_stored_runs(tmp_path, monkeypatch):
     for i in range(10):
         commit = _run(0.05, 6.0, committed=True, answer="b") | {"prefix": "The dragon is"}
         # the first prompt follows an answer that opened with the same words: the veto discards it
-        history = [{"role": "user", "content": "a story"}, {"role": "assistant", "content": "The dragon is a"}] if i == 0 else []
-        rows.append({"p": 0.99, "label": 1, "text": "what is two plus two", "history": history,
-                     "slow": _run(0.3, 6.0), "commit": commit, "discard": _run(0.35, 6.0), "mismatched_quality": 4.0})
+        history = (
+            [{"role": "user", "content": "a story"}, {"role": "assistant", "content": "The dragon is a"}]
+            if i == 0
+            else []
+        )
+        rows.append(
+            {
+                "p": 0.99,
+                "label": 1,
+                "text": "what is two plus two",
+                "history": history,
+                "slow": _run(0.3, 6.0),
+                "commit": commit,
+                "discard": _run(0.35, 6.0),
+                "mismatched_quality": 4.0,
+            }
+        )
     # a stored prompt that is no longer held out (removed from relay_eval.jsonl since) leaves the summaries
     gone = rows[-1] | {"text": "h"}
     held = {json.dumps({"history": r["history"], "text": r["text"]}) for r in rows}

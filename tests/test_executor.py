@@ -39,7 +39,15 @@ class Recorder:
 
 
 def job(stage: str, session: str, chunk: str, deadline: float, label: str | None = None) -> Job:
-    return Job(stage=stage, label=label or stage, session_id=session, turn_id=1, state=0, chunk=chunk, deadline=deadline)
+    return Job(
+        stage=stage,
+        label=label or stage,
+        session_id=session,
+        turn_id=1,
+        state=0,
+        chunk=chunk,
+        deadline=deadline,
+    )
 
 
 def test_earliest_deadline_first_and_batching_across_sessions():

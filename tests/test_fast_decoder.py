@@ -26,8 +26,13 @@ def _one_thread() -> None:
 
 def hf_hidden(model: PreTrainedModel, cache: DynamicCache, ids: list[int], start: int) -> torch.Tensor:
     pos = torch.arange(start, start + len(ids))
-    out = model.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
-                      cache_position=pos, position_ids=pos[None])
+    out = model.model(
+        input_ids=torch.tensor([ids]),
+        past_key_values=cache,
+        use_cache=True,
+        cache_position=pos,
+        position_ids=pos[None],
+    )
     return out.last_hidden_state
 
 
@@ -81,7 +86,10 @@ def test_fused_int8_products_keep_the_model_forward_exact(arch: str) -> None:
 
 def test_cached_lm_uses_it_and_can_do_without() -> None:
     m = tiny_model("qwen2", seed=5)
-    fast, plain = CachedLM(m, sink_tokens=2, window_tokens=64), CachedLM(m, sink_tokens=2, window_tokens=64, fast=False)
+    fast, plain = (
+        CachedLM(m, sink_tokens=2, window_tokens=64),
+        CachedLM(m, sink_tokens=2, window_tokens=64, fast=False),
+    )
     assert fast.fast is not None and plain.fast is None
     a, b = fast.new(), plain.new()
     for ids in ([5, 6, 7, 8, 9], [10], [11, 12]):

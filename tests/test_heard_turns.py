@@ -11,17 +11,34 @@ from dialogue.training import turn_data as D
 def test_heard_variants_keep_label_and_group_and_skip_what_the_head_cannot_tell_apart():
     examples = [
         {"text": "What a thing to", "label": 0, "head": "turn", "group": "g1", "kind": "cut", "source": "s"},
-        {"text": "What is the capital of France?", "label": 2, "head": "turn", "group": "g2", "kind": "complete",
-         "source": "s"},
+        {
+            "text": "What is the capital of France?",
+            "label": 2,
+            "head": "turn",
+            "group": "g2",
+            "kind": "complete",
+            "source": "s",
+        },
         {"text": "stop", "label": 1, "head": "overlap", "group": "g3", "kind": "stop", "source": "s"},
-        {"text": "never transcribed", "label": 0, "head": "turn", "group": "g4", "kind": "cut", "source": "s"},
+        {
+            "text": "never transcribed",
+            "label": 0,
+            "head": "turn",
+            "group": "g4",
+            "kind": "cut",
+            "source": "s",
+        },
     ]
-    heard = {"What a thing to": "What a thing, too.", "What is the capital of France?": "what is the capital of france",
-             "stop": "Stop."}
+    heard = {
+        "What a thing to": "What a thing, too.",
+        "What is the capital of France?": "what is the capital of france",
+        "stop": "Stop.",
+    }
     out = D.heard_variants(examples, heard)
     # only a transcript with other words is new to the head (it sees no punctuation; case aside)
     assert [(e["text"], e["label"], e["group"], e["kind"], e["heard_from"]) for e in out] == [
-        ("What a thing, too.", 0, "g1", "cut+heard", "What a thing to")]
+        ("What a thing, too.", 0, "g1", "cut+heard", "What a thing to")
+    ]
 
 
 def test_voices_are_a_pure_function_of_the_text():
@@ -51,5 +68,7 @@ def test_shipped_transcripts_cover_the_turn_examples():
     # most transcripts differ from the text in some word: that is why they are examples
     assert len(variants) > 0.2 * len(texts)
     # each is labelled and grouped as the text it was spoken from, so it sits in the same split
-    assert all((e["label"], e["group"]) == (typed[e["heard_from"]]["label"], typed[e["heard_from"]]["group"])
-               for e in variants)
+    assert all(
+        (e["label"], e["group"]) == (typed[e["heard_from"]]["label"], typed[e["heard_from"]]["group"])
+        for e in variants
+    )

@@ -18,7 +18,10 @@ from duplex.eval.dialogue import judge_rows, summarise_relay
 from tests.test_engine import SYSTEM, tiny
 from tests.test_engine import tokenizer as tokenizer  # noqa: F401 (the fixture)
 
-HISTORY = [{"role": "user", "content": "how are you today"}, {"role": "assistant", "content": "i am fine thanks"}]
+HISTORY = [
+    {"role": "user", "content": "how are you today"},
+    {"role": "assistant", "content": "i am fine thanks"},
+]
 
 
 def _plain(model, tok, ctx, answer):
@@ -26,7 +29,7 @@ def _plain(model, tok, ctx, answer):
     ids = list(tok.encode(answer, add_special_tokens=False))
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([ctx + ids])).logits[0].float()
-    logp = torch.log_softmax(logits[len(ctx) - 1:], dim=-1)
+    logp = torch.log_softmax(logits[len(ctx) - 1 :], dim=-1)
     tokens = float(logp[torch.arange(len(ids)), torch.tensor(ids)].sum())
     return tokens, float(torch.logsumexp(logp[-1, sorted(stop_token_ids(tok))], dim=0))
 
@@ -38,12 +41,16 @@ def test_likelihood_judge_equals_a_plain_forward_per_answer(tokenizer, arch):  #
     answers = ["the capital of france is paris", "once upon a time", "two plus two is four"]
     scores = judge.score(HISTORY, "what is the capital of france", answers)
     for a, s in zip(answers, scores, strict=True):
-        logp, end = _plain(model, tokenizer, chat_ids(tokenizer, SYSTEM, HISTORY, "what is the capital of france"), a)
+        logp, end = _plain(
+            model, tokenizer, chat_ids(tokenizer, SYSTEM, HISTORY, "what is the capital of france"), a
+        )
         neutral, _ = _plain(model, tokenizer, chat_ids(tokenizer, SYSTEM, HISTORY, "Hello."), a)
         assert s.n_tokens == len(tokenizer.encode(a, add_special_tokens=False))
         assert s.logp == pytest.approx(logp, abs=1e-3) and s.logp_neutral == pytest.approx(neutral, abs=1e-3)
         assert s.logp_end == pytest.approx(end, abs=1e-4)
-        assert s.quality == pytest.approx(max(0.0, (logp - neutral) / s.n_tokens) * math.exp(end), rel=1e-3, abs=1e-6)
+        assert s.quality == pytest.approx(
+            max(0.0, (logp - neutral) / s.n_tokens) * math.exp(end), rel=1e-3, abs=1e-6
+        )
     # scoring one answer alone gives the same as among others (the shared cache is cropped back exactly)
     again = judge.score(HISTORY, "what is the capital of france", answers[1:2])[0]
     assert again.logp == pytest.approx(scores[1].logp, abs=1e-4)
@@ -78,13 +85,26 @@ def test_eval_rows_are_graded_by_every_judge_and_summarised(tokenizer):  # noqa:
 
     def run(answer, onset, committed=False):
         return {"answer": answer, "onset_s": onset, "committed": committed} | (
-            {"prefix": " ".join(answer.split()[:2])} if committed else {})
+            {"prefix": " ".join(answer.split()[:2])} if committed else {}
+        )
 
-    rows = [{"text": t, "history": [], "source": "", "p": 0.9, "label": 1,
-             "slow": run(a, 0.3), "commit": run(c, 0.05, True), "discard": run(a, 0.35)}
-            for t, a, c in [("what is the capital of france", "the capital of france is paris", "paris"),
-                            ("tell me a story please", "once upon a time there was a cat", "once upon a time"),
-                            ("what is two plus two", "two plus two is four", "two plus two is four")]]
+    rows = [
+        {
+            "text": t,
+            "history": [],
+            "source": "",
+            "p": 0.9,
+            "label": 1,
+            "slow": run(a, 0.3),
+            "commit": run(c, 0.05, True),
+            "discard": run(a, 0.35),
+        }
+        for t, a, c in [
+            ("what is the capital of france", "the capital of france is paris", "paris"),
+            ("tell me a story please", "once upon a time there was a cat", "once upon a time"),
+            ("what is two plus two", "two plus two is four", "two plus two is four"),
+        ]
+    ]
     judge_rows(stage, rows, rating=True)
     for r in rows:
         for v in ("slow", "commit", "discard"):
@@ -98,7 +118,10 @@ def test_eval_rows_are_graded_by_every_judge_and_summarised(tokenizer):  # noqa:
     assert lik["relay"] == pytest.approx(sum(relay) / 3)
     assert lik["slow_only"] == pytest.approx(sum(r["slow"]["quality_likelihood"] for r in rows) / 3)
     assert s["judges"]["rating"]["ratio"] == s["quality_ratio"]
-    assert set(s["judge_validity"]) == {"rating", "likelihood", "likelihood-total"} and s["judge_validity"]["likelihood"]["n"] == 3
+    assert (
+        set(s["judge_validity"]) == {"rating", "likelihood", "likelihood-total"}
+        and s["judge_validity"]["likelihood"]["n"] == 3
+    )
     # the bound with the slow model as the verifier: its own score of each committed prefix, as many committed
     assert all(isinstance(r["commit"]["prefix_logp"], float) for r in rows)
     bound = s["slow_scored"]

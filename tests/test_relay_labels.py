@@ -54,15 +54,24 @@ def _ex(prefix: str, text: str = "what is the capital of france") -> dict:
 
 
 def test_labels_follow_the_loss_and_the_engines_hard_rules():
-    examples = [_ex("Paris is the"), _ex("I'm sorry, but"), _ex("The capital of"), _ex(""), _ex("Париж это"),
-                _ex("What is the"), _ex("The capital")]
-    results = [{"same": True, "loss": 0.0},
-               {"same": False, "loss": 1.7},  # a refusal where the slow model would have answered
-               {"same": False, "loss": 0.05},
-               {"same": False, "loss": float("inf")},
-               {"same": False, "loss": -0.3},  # another script: unacceptable whatever the judge says
-               {"same": False, "loss": 0.0},  # an echo of the question is judged like any opening
-               {"same": False, "loss": 0.1}]
+    examples = [
+        _ex("Paris is the"),
+        _ex("I'm sorry, but"),
+        _ex("The capital of"),
+        _ex(""),
+        _ex("Париж это"),
+        _ex("What is the"),
+        _ex("The capital"),
+    ]
+    results = [
+        {"same": True, "loss": 0.0},
+        {"same": False, "loss": 1.7},  # a refusal where the slow model would have answered
+        {"same": False, "loss": 0.05},
+        {"same": False, "loss": float("inf")},
+        {"same": False, "loss": -0.3},  # another script: unacceptable whatever the judge says
+        {"same": False, "loss": 0.0},  # an echo of the question is judged like any opening
+        {"same": False, "loss": 0.1},
+    ]
     labels = RL.label_examples(examples, results, margin=0.1)
     assert labels == [1, 0, 1, 0, 0, 1, 1]
     assert [e["reason"] for e in examples] == ["own", "loses", "kept", "empty", "foreign", "kept", "kept"]
@@ -76,7 +85,9 @@ def test_cached_judge_results_are_read_without_loading_a_model(tmp_path, monkeyp
         RL.label_path(f).write_text(json.dumps({"slow": "a", "relay": "b", "same": False, "loss": 0.5 * i}))
     from dialogue import llm_weights
 
-    monkeypatch.setattr(llm_weights, "load", lambda *a, **k: pytest.fail("a cached label loaded the slow model"))
+    monkeypatch.setattr(
+        llm_weights, "load", lambda *a, **k: pytest.fail("a cached label loaded the slow model")
+    )
     out = RL.judge_dataset([_ex("x"), _ex("y")], files, progress=False)
     assert [r["loss"] for r in out] == [0.0, 0.5]
 
@@ -84,19 +95,31 @@ def test_cached_judge_results_are_read_without_loading_a_model(tmp_path, monkeyp
 def test_shipped_judge_results_come_first_and_only_for_the_same_draft(tmp_path, monkeypatch):
     files = [tmp_path / f"k{i}.pt" for i in range(3)]
     examples = [_ex("Paris is"), _ex("I'm sorry,"), _ex("")]
-    results = [{"slow": "Paris is the capital.", "relay": "Paris is the capital.", "same": True, "loss": 0.0},
-               {"slow": "Paris.", "relay": "I'm sorry, I can't.", "same": False, "loss": 2.5,
-                "judge_slow": 3.0, "judge_relay": 0.5},
-               {"slow": "Paris.", "relay": "", "same": False, "loss": float("inf")}]
+    results = [
+        {"slow": "Paris is the capital.", "relay": "Paris is the capital.", "same": True, "loss": 0.0},
+        {
+            "slow": "Paris.",
+            "relay": "I'm sorry, I can't.",
+            "same": False,
+            "loss": 2.5,
+            "judge_slow": 3.0,
+            "judge_relay": 0.5,
+        },
+        {"slow": "Paris.", "relay": "", "same": False, "loss": float("inf")},
+    ]
     shipped = tmp_path / "labels.jsonl"
-    RL.write_shipped([e | {"feature_file": str(f)} for e, f in zip(examples, files, strict=True)], results, shipped)
+    RL.write_shipped(
+        [e | {"feature_file": str(f)} for e, f in zip(examples, files, strict=True)], results, shipped
+    )
     rows = [json.loads(line) for line in shipped.read_text().splitlines()]  # strict JSON: no Infinity
     assert [r["key"] for r in rows] == ["k0", "k1", "k2"] and rows[2]["loss"] is None
     assert rows[1]["prefix"] == "I'm sorry," and rows[1]["text"] == "what is the capital of france"
 
     from dialogue import llm_weights
 
-    monkeypatch.setattr(llm_weights, "load", lambda *a, **k: pytest.fail("a shipped label loaded the slow model"))
+    monkeypatch.setattr(
+        llm_weights, "load", lambda *a, **k: pytest.fail("a shipped label loaded the slow model")
+    )
     assert RL.judge_dataset(examples, files, progress=False, shipped=shipped) == results
     assert not any(RL.label_path(f).exists() for f in files)  # nothing made, nothing cached
     # a draft that changed since (another prefix for the same key) is not labelled by the shipped row
@@ -143,11 +166,27 @@ def test_rescoring_replaces_each_stored_drafts_score_and_counts_changed_drafts()
     from duplex.eval.dialogue import judge_labelled, rescore_rows
 
     def run(q: float, committed: bool = False) -> dict:
-        return {"answer": "a", "onset_s": 0.1, "committed": committed, "quality_likelihood": q, "p": 0.5,
-                "draft": "The dragon is a", "prefix": "The dragon is" if committed else ""}
+        return {
+            "answer": "a",
+            "onset_s": 0.1,
+            "committed": committed,
+            "quality_likelihood": q,
+            "p": 0.5,
+            "draft": "The dragon is a",
+            "prefix": "The dragon is" if committed else "",
+        }
 
-    rows = [{"text": f"q{i}", "history": [], "p": 0.5, "slow": run(2.0), "commit": run(2.0 - i, True),
-             "discard": run(2.0)} for i in range(4)]
+    rows = [
+        {
+            "text": f"q{i}",
+            "history": [],
+            "p": 0.5,
+            "slow": run(2.0),
+            "commit": run(2.0 - i, True),
+            "discard": run(2.0),
+        }
+        for i in range(4)
+    ]
     changed = rescore_rows(_Stage({"q0": 0.9, "q1": 0.8, "q2": 0.3, "q3": 0.1}), rows, progress=False)
     assert changed == 1
     assert [r["p"] for r in rows] == [0.9, 0.8, 0.3, 0.1] and rows[2]["commit"]["p"] == 0.3

@@ -154,12 +154,24 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if s.as_json is not None or not (body or {}).get("stream"):
             text = s.as_json if s.as_json is not None else "Paris is the capital."
-            self._send_json(200, {
-                "id": "chatcmpl-fake", "object": "chat.completion", "created": 1700000000, "model": MODEL,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            })
+            self._send_json(
+                200,
+                {
+                    "id": "chatcmpl-fake",
+                    "object": "chat.completion",
+                    "created": 1700000000,
+                    "model": MODEL,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": text},
+                            "logprobs": None,
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                },
+            )
             return
         self.send_response(200)
         self.send_header("Content-Type", s.content_type)
@@ -226,8 +238,15 @@ def test_request_payload_per_prefix_mode(
     fake: FakeOpenAI, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     monkeypatch.setenv("DUPLEX_TEST_LLM_KEY", "sk-test-123")
-    llm = client(fake, prefix_mode=mode, api_key_env="DUPLEX_TEST_LLM_KEY", max_tokens=17, temperature=0.2,
-                 system_prompt="Be brief.", extra_body={"top_p": 0.9})
+    llm = client(
+        fake,
+        prefix_mode=mode,
+        api_key_env="DUPLEX_TEST_LLM_KEY",
+        max_tokens=17,
+        temperature=0.2,
+        system_prompt="Be brief.",
+        extra_body={"top_p": 0.9},
+    )
     assert llm.complete(USER, prefix="The capital") == "Paris is the capital."
     (req,) = fake.requests
     assert req.method == "POST" and req.path == "/v1/chat/completions"
@@ -428,8 +447,12 @@ def test_connection_refused_says_is_the_server_running() -> None:
 
 def test_http_4xx_carries_status_and_server_message(fake: FakeOpenAI) -> None:
     msg = "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens."
-    fake.script = Script(status=400, error_body=json.dumps(
-        {"object": "error", "message": msg, "type": "BadRequestError", "param": None, "code": 400}).encode())
+    fake.script = Script(
+        status=400,
+        error_body=json.dumps(
+            {"object": "error", "message": msg, "type": "BadRequestError", "param": None, "code": 400}
+        ).encode(),
+    )
     with pytest.raises(ModelError, match=r"HTTP 400 Bad Request: This model's maximum context length") as e:
         client(fake).start(USER, prefix="Well")
     assert "assistant_prefill or instruct" in str(e.value)  # continue_final_message hint on a refused prefix
@@ -530,15 +553,21 @@ def test_options_defaults_and_normalisation() -> None:
     opts = RemoteLlmOptions.from_mapping({"base_url": "http://127.0.0.1:8000/v1/", "model": "m"})
     assert opts.base_url == "http://127.0.0.1:8000/v1"
     assert (opts.prefix_mode, opts.max_tokens, opts.temperature, opts.timeout_s) == (
-        "continue_final_message", 64, 0.0, 30.0)
+        "continue_final_message",
+        64,
+        0.0,
+        30.0,
+    )
     assert opts.api_key_env is None and dict(opts.extra_body) == {} and opts.system_prompt == ""
 
 
 @pytest.mark.parametrize(
     ("raw", "match"),
     [
-        ({"base_url": "http://h/v1", "model": "m", "max_token": 5},
-         r"unknown options \['max_token'\].*known: base_url, model, api_key_env, prefix_mode"),
+        (
+            {"base_url": "http://h/v1", "model": "m", "max_token": 5},
+            r"unknown options \['max_token'\].*known: base_url, model, api_key_env, prefix_mode",
+        ),
         ({"model": "m"}, r"missing required options \['base_url'\]"),
         ({"base_url": "http://h/v1"}, r"missing required options \['model'\]"),
         ({"base_url": "127.0.0.1:8000", "model": "m"}, "must be an http:// or https:// URL"),
@@ -570,12 +599,19 @@ def test_official_openai_client_talks_to_the_fake(fake: FakeOpenAI) -> None:
     openai = pytest.importorskip("openai")
     # trust_env=False: a proxy configured in the environment must not see 127.0.0.1 traffic
     http_client = openai.DefaultHttpxClient(trust_env=False)
-    with openai.OpenAI(base_url=fake.base_url, api_key="sk-sdk", max_retries=0, timeout=10.0,
-                       http_client=http_client) as sdk:
+    with openai.OpenAI(
+        base_url=fake.base_url, api_key="sk-sdk", max_retries=0, timeout=10.0, http_client=http_client
+    ) as sdk:
         prefix_flags = {"continue_final_message": True, "add_generation_prompt": False}
         messages = [*USER, {"role": "assistant", "content": "Well"}]
-        stream = sdk.chat.completions.create(model=MODEL, messages=messages, stream=True, max_tokens=64,
-                                             temperature=0.0, extra_body=prefix_flags)
+        stream = sdk.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            stream=True,
+            max_tokens=64,
+            temperature=0.0,
+            extra_body=prefix_flags,
+        )
         chunks = list(stream)
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == "Paris is the capital."

@@ -84,7 +84,9 @@ async def test_spoken_question_gets_spoken_answer(server):
         await ws.send(json.dumps({"type": "session.start", "sample_rate": 16000}))
         started = json.loads(await ws.recv())
         assert started["type"] == "session.started" and started["output_sample_rate"] == 24000
-        await send_audio(ws, np.concatenate([silence(0.3), tone_speech("what is the capital of france"), silence(1.0)]))
+        await send_audio(
+            ws, np.concatenate([silence(0.3), tone_speech("what is the capital of france"), silence(1.0)])
+        )
         events, audio = await collect(ws, "response.done")
         types = [e["type"] for e in events]
         assert "speech.started" in types and "turn.latency" in types
@@ -106,7 +108,9 @@ async def test_client_rate_48k_is_resampled(server):
     async with connect(url(server)) as ws:
         await ws.send(json.dumps({"type": "session.start", "sample_rate": 48000}))
         assert json.loads(await ws.recv())["type"] == "session.started"
-        speech = resample(np.concatenate([silence(0.3), tone_speech("hello how are you"), silence(1.0)]), SR, 48000)
+        speech = resample(
+            np.concatenate([silence(0.3), tone_speech("hello how are you"), silence(1.0)]), SR, 48000
+        )
         await send_audio(ws, speech, rate=48000)
         events, _ = await collect(ws, "transcript.final")
         assert events[-1]["text"] == "hello how are you"
@@ -117,7 +121,11 @@ async def test_bad_input_gets_errors_while_a_parallel_session_works(server):
         async with connect(url(server)) as ws:
             await ws.send(json.dumps({"type": "session.start", "sample_rate": 16000}))
             await ws.recv()
-            await send_audio(ws, np.concatenate([silence(0.3), tone_speech("what is the capital of france"), silence(1.0)]), speed=2)
+            await send_audio(
+                ws,
+                np.concatenate([silence(0.3), tone_speech("what is the capital of france"), silence(1.0)]),
+                speed=2,
+            )
             events, _ = await collect(ws, "response.done", limit_s=15)
             return events
 
@@ -128,15 +136,21 @@ async def test_bad_input_gets_errors_while_a_parallel_session_works(server):
             codes.append(json.loads(await ws.recv())["code"])
             await ws.send(json.dumps({"type": "session.start", "sample_rate": 16000}))
             assert json.loads(await ws.recv())["type"] == "session.started"
-            for bad in ["{not json", json.dumps({"type": "teleport"}), json.dumps([1, 2]),
-                        json.dumps({"type": "session.start"}),
-                        json.dumps({"type": "session.update", "options": {"vad_threshold": 7}})]:
+            for bad in [
+                "{not json",
+                json.dumps({"type": "teleport"}),
+                json.dumps([1, 2]),
+                json.dumps({"type": "session.start"}),
+                json.dumps({"type": "session.update", "options": {"vad_threshold": 7}}),
+            ]:
                 await ws.send(bad)
                 codes.append(json.loads(await ws.recv())["code"])
             await ws.send(b"\x01\x02\x03")  # odd byte count
             codes.append(json.loads(await ws.recv())["code"])
             # the session survived all of that and still works
-            await send_audio(ws, np.concatenate([silence(0.2), tone_speech("hello how are you"), silence(1.0)]), speed=2)
+            await send_audio(
+                ws, np.concatenate([silence(0.2), tone_speech("hello how are you"), silence(1.0)]), speed=2
+            )
             events, _ = await collect(ws, "transcript.final")
             assert events[-1]["text"] == "hello how are you"
         # an oversized frame closes only that connection, with 1009 (message too big)
@@ -148,8 +162,16 @@ async def test_bad_input_gets_errors_while_a_parallel_session_works(server):
         return codes
 
     good, codes = await asyncio.gather(good_session(), bad_session())
-    assert codes == ["unsupported_sample_rate", "bad_json", "unknown_event", "bad_event", "already_started",
-                     "bad_option", "bad_audio", 1009]
+    assert codes == [
+        "unsupported_sample_rate",
+        "bad_json",
+        "unknown_event",
+        "bad_event",
+        "already_started",
+        "bad_option",
+        "bad_audio",
+        1009,
+    ]
     assert good[-1]["type"] == "response.done" and good[-1]["status"] == "completed"
 
 
@@ -189,12 +211,18 @@ async def test_barge_in_over_the_wire_stops_audio(server):
     async with connect(url(server)) as ws:
         await ws.send(json.dumps({"type": "session.start"}))
         await ws.recv()
-        await send_audio(ws, np.concatenate([silence(0.3), tone_speech("tell me a story"), silence(0.8)]), speed=1)
+        await send_audio(
+            ws, np.concatenate([silence(0.3), tone_speech("tell me a story"), silence(0.8)]), speed=1
+        )
         await collect(ws, "response.audio.started")
         await asyncio.sleep(1.0)
         loop = asyncio.get_running_loop()
         t_speak = loop.time()
-        sender = asyncio.create_task(send_audio(ws, np.concatenate([tone_speech("what is the capital of france"), silence(1.0)]), speed=1))
+        sender = asyncio.create_task(
+            send_audio(
+                ws, np.concatenate([tone_speech("what is the capital of france"), silence(1.0)]), speed=1
+            )
+        )
         last_story_audio = None
         async with asyncio.timeout(10):
             while True:
@@ -215,10 +243,19 @@ async def test_barge_in_over_the_wire_stops_audio(server):
 
 async def test_session_start_options_are_applied_and_reported(server):
     async with connect(url(server)) as ws:
-        await ws.send(json.dumps({"type": "session.start", "sample_rate": 16000,
-                                  "options": {"end_of_turn_silence_ms": 700, "vad_threshold": 0.6}}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "session.start",
+                    "sample_rate": 16000,
+                    "options": {"end_of_turn_silence_ms": 700, "vad_threshold": 0.6},
+                }
+            )
+        )
         started = json.loads(await ws.recv())
-        assert started["options"]["end_of_turn_silence_ms"] == 700 and started["options"]["vad_threshold"] == 0.6
+        assert (
+            started["options"]["end_of_turn_silence_ms"] == 700 and started["options"]["vad_threshold"] == 0.6
+        )
         core = server.service.sessions[started["session_id"]]
         assert core.endpointer.end_silence == 16000 * 700 // 1000 and core.endpointer.threshold == 0.6
     async with connect(url(server)) as ws:

@@ -42,8 +42,15 @@ def test_question_gets_spoken_answer_and_events_in_order():
     audio = np.concatenate([silence(0.5), tone_speech("what is the capital of france"), silence(3.0)])
     result = replay(core, clock, audio, COSTS)
     types = [e.type for e in result.events()]
-    for expected in ["speech.started", "speech.stopped", "transcript.final", "response.started",
-                     "response.audio.started", "turn.latency", "response.done"]:
+    for expected in [
+        "speech.started",
+        "speech.stopped",
+        "transcript.final",
+        "response.started",
+        "response.audio.started",
+        "turn.latency",
+        "response.done",
+    ]:
         assert expected in types, (expected, types)
     assert types.index("speech.started") < types.index("speech.stopped") < types.index("response.started")
     final = result.events("transcript.final")[0]
@@ -80,14 +87,22 @@ def test_answer_starts_right_after_the_hangover_thanks_to_speculation():
 def test_mid_sentence_pause_shorter_than_hangover_does_not_take_the_turn():
     core, clock, stages = make_core(end_of_turn_silence_ms=600)
     audio = np.concatenate(
-        [silence(0.3), tone_speech("what is the"), silence(0.4), tone_speech("capital of france"), silence(3.0)]
+        [
+            silence(0.3),
+            tone_speech("what is the"),
+            silence(0.4),
+            tone_speech("capital of france"),
+            silence(3.0),
+        ]
     )
     result = replay(core, clock, audio, COSTS)
     finals = [e.text for e in result.events("transcript.final")]
     assert finals == ["what is the capital of france"]
     assert len(result.events("response.started")) == 1
     # no audio was sent before the user finished the whole question
-    second_part_end = 0.3 + len(tone_speech("what is the")) / SR + 0.4 + len(tone_speech("capital of france")) / SR
+    second_part_end = (
+        0.3 + len(tone_speech("what is the")) / SR + 0.4 + len(tone_speech("capital of france")) / SR
+    )
     assert result.audio_frames()[0].t > second_part_end
     # the speculation on the partial question was made and thrown away
     assert any(m[-1]["content"] == "what is the" for m in stages.llm.seen)
@@ -98,7 +113,9 @@ def test_barge_in_stops_audio_fast_and_keeps_only_heard_words():
     question = tone_speech("tell me a story")
     t_barge = 0.3 + len(question) / SR + 2.5  # well into the long answer
     pre = np.concatenate([silence(0.3), question])
-    audio = np.concatenate([pre, silence(t_barge - len(pre) / SR), tone_speech("stop what is two plus two"), silence(4.0)])
+    audio = np.concatenate(
+        [pre, silence(t_barge - len(pre) / SR), tone_speech("stop what is two plus two"), silence(4.0)]
+    )
     result = replay(core, clock, audio, COSTS)
     interrupted = result.events("response.interrupted")
     assert len(interrupted) == 1
@@ -123,7 +140,13 @@ def test_barge_in_stops_audio_fast_and_keeps_only_heard_words():
 def test_multi_turn_context_is_kept_and_passed_to_the_llm():
     core, clock, stages = make_core()
     audio = np.concatenate(
-        [silence(0.3), tone_speech("hello how are you"), silence(3.0), tone_speech("what is the capital of france"), silence(3.0)]
+        [
+            silence(0.3),
+            tone_speech("hello how are you"),
+            silence(3.0),
+            tone_speech("what is the capital of france"),
+            silence(3.0),
+        ]
     )
     result = replay(core, clock, audio, COSTS)
     assert [e.status for e in result.events("response.done")] == ["completed", "completed"]
@@ -163,7 +186,13 @@ def test_stage_failure_is_reported_and_the_session_goes_on():
 
     core, clock, _ = make_core()
     audio = np.concatenate(
-        [silence(0.3), tone_speech("hello how are you"), silence(2.0), tone_speech("what is the capital of france"), silence(3.0)]
+        [
+            silence(0.3),
+            tone_speech("hello how are you"),
+            silence(2.0),
+            tone_speech("what is the capital of france"),
+            silence(3.0),
+        ]
     )
     core.stages.llm.reply_fn = flaky
     result = replay(core, clock, audio, COSTS)
@@ -180,7 +209,12 @@ def test_replay_is_deterministic_and_faster_than_real_time():
         t0 = time.perf_counter()
         result = replay(core, clock, audio, COSTS)
         wall = time.perf_counter() - t0
-        runs.append([(round(o.t, 6), o.item if isinstance(o.item, bytes) else o.item.to_wire()) for o in result.outputs])
+        runs.append(
+            [
+                (round(o.t, 6), o.item if isinstance(o.item, bytes) else o.item.to_wire())
+                for o in result.outputs
+            ]
+        )
     assert runs[0] == runs[1]
     assert wall < (len(audio) / SR + 3.0) / 3
 
@@ -212,9 +246,14 @@ def test_speculation_continues_until_a_first_phrase_is_ready():
     core.first_step_tokens = 2  # the first step alone is not a speakable phrase
     audio = np.concatenate([silence(0.3), tone_speech("what is two plus two"), silence(3.0)])
     result = replay(core, clock, audio, COSTS)
-    t_commit = next(o.t for o in result.outputs if not isinstance(o.item, bytes) and o.item.type == "response.started")
-    held = "".join(o.item.delta for o in result.outputs
-                   if not isinstance(o.item, bytes) and o.item.type == "response.text.delta" and o.t == t_commit)
+    t_commit = next(
+        o.t for o in result.outputs if not isinstance(o.item, bytes) and o.item.type == "response.started"
+    )
+    held = "".join(
+        o.item.delta
+        for o in result.outputs
+        if not isinstance(o.item, bytes) and o.item.type == "response.text.delta" and o.t == t_commit
+    )
     # the LLM kept going during the hangover until it had a speakable phrase (3 complete words)
     assert held.split()[:3] == ["two", "plus", "two"]
     assert decode_tones(result.audio(), 24000) == "two plus two is four".split()
@@ -232,7 +271,13 @@ def test_an_endless_turn_is_cut_at_max_segment_length():
 
 def test_typed_turn_is_answered_and_joins_the_spoken_context():
     core, clock, stages = make_core()
-    result = replay(core, clock, silence(0.5), COSTS, controls=[(0.1, {"type": "input.text", "text": "what is the capital of france"})])
+    result = replay(
+        core,
+        clock,
+        silence(0.5),
+        COSTS,
+        controls=[(0.1, {"type": "input.text", "text": "what is the capital of france"})],
+    )
     assert result.events("transcript.final")[0].text == "what is the capital of france"
     done = result.events("response.done")[0]
     assert done.status == "completed" and done.text == "paris is the capital of france"
@@ -264,8 +309,13 @@ def test_truncate_after_playback_keeps_only_the_words_the_client_played():
     # while it is still being sent: the audio stops and the same truncation applies
     core, clock, _ = make_core()
     q = np.concatenate([silence(0.3), tone_speech("tell me a story")])
-    result = replay(core, clock, np.concatenate([q, silence(4.0)]), COSTS,
-                    controls=[(len(q) / SR + 2.0, {"type": "response.truncate", "played_ms": 600})])
+    result = replay(
+        core,
+        clock,
+        np.concatenate([q, silence(4.0)]),
+        COSTS,
+        controls=[(len(q) / SR + 2.0, {"type": "response.truncate", "played_ms": 600})],
+    )
     interrupted = result.events("response.interrupted")[0]
     assert interrupted.played_ms <= 600 and interrupted.played_text
     assert result.events("response.done")[0].status == "interrupted"
@@ -276,18 +326,25 @@ def test_truncate_after_playback_keeps_only_the_words_the_client_played():
 def test_playout_reports_bound_what_counts_as_heard_at_barge_in():
     """A gateway whose audio plays later than the server's clock assumes (network, jitter buffer)
     reports its playout; at barge-in the context keeps no word the caller cannot have heard yet."""
+
     def heard_at_barge_in(report_ms):
         core, clock, _ = make_core()
         q = np.concatenate([silence(0.3), tone_speech("tell me a story")])
         t_barge = len(q) / SR + 3.0
         audio = np.concatenate([q, silence(t_barge - len(q) / SR), tone_speech("stop"), silence(2.0)])
-        controls = [] if report_ms is None else [(t_barge - 0.05, {"type": "playout.position", "played_ms": report_ms})]
+        controls = (
+            []
+            if report_ms is None
+            else [(t_barge - 0.05, {"type": "playout.position", "played_ms": report_ms})]
+        )
         return replay(core, clock, audio, COSTS, controls=controls).events("response.interrupted")[0]
 
     free, bounded = heard_at_barge_in(None), heard_at_barge_in(500)
     assert bounded.played_ms < free.played_ms
     assert bounded.played_ms <= 500 + 50 + 250  # the report, plus the time since, plus VAD lag
-    assert free.played_text.startswith(bounded.played_text) and len(bounded.played_text) < len(free.played_text)
+    assert free.played_text.startswith(bounded.played_text) and len(bounded.played_text) < len(
+        free.played_text
+    )
 
 
 def test_input_clear_drops_the_unfinished_turn():
@@ -295,7 +352,9 @@ def test_input_clear_drops_the_unfinished_turn():
     speech = tone_speech("what is the capital of france")
     audio = np.concatenate([silence(0.3), speech, silence(3.0)])
     # cleared during the end-of-turn hangover, while the answer is being prepared speculatively
-    result = replay(core, clock, audio, COSTS, controls=[(0.3 + len(speech) / SR + 0.3, {"type": "input.clear"})])
+    result = replay(
+        core, clock, audio, COSTS, controls=[(0.3 + len(speech) / SR + 0.3, {"type": "input.clear"})]
+    )
     assert len(result.events("speech.started")) == 1
     assert not result.events("response.started")
     assert not result.events("transcript.final")

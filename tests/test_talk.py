@@ -40,7 +40,9 @@ STORY = scripted_answer([{"role": "user", "content": "tell me a story"}]).split(
 
 @pytest.fixture
 async def server():
-    service = DuplexService(load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=3))
+    service = DuplexService(
+        load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=3)
+    )
     srv = DuplexServer(service, ServerSettings(host="127.0.0.1", port=0))
     await srv.start()
     yield srv
@@ -58,7 +60,9 @@ def silence(seconds: float, rate: int = SR) -> np.ndarray:
 
 def speech(*parts: str | float, rate: int = SR) -> np.ndarray:
     """Tone speech and pauses: strings are said, numbers are seconds of silence."""
-    return np.concatenate([silence(p, rate) if isinstance(p, (int, float)) else tone_speech(p, rate) for p in parts])
+    return np.concatenate(
+        [silence(p, rate) if isinstance(p, (int, float)) else tone_speech(p, rate) for p in parts]
+    )
 
 
 def loud_spans(audio: np.ndarray, rate: int, floor: float = 0.02) -> list[tuple[float, float]]:
@@ -84,12 +88,14 @@ async def test_file_mode_answers_a_48k_stereo_question_on_the_timeline(server, t
     mono = speech(0.3, QUESTION, rate=48000)
     stereo = np.stack([mono, 0.5 * mono], axis=1)  # the mono mix must still be loud enough
     sf.write(tmp_path / "q.wav", stereo, 48000)
-    result = await talk_files(tmp_path / "q.wav", tmp_path / "a.wav", url=url(server), screen=Screen(tty=False))
+    result = await talk_files(
+        tmp_path / "q.wav", tmp_path / "a.wav", url=url(server), screen=Screen(tty=False)
+    )
     assert result.exit_code == 0 and result.error is None
     audio, rate = sf.read(tmp_path / "a.wav", dtype="float32")
     assert rate == OUT_SR
     assert decode_tones(audio, rate) == ANSWER
-    (start, end), = loud_spans(audio, rate)
+    ((start, end),) = loud_spans(audio, rate)
     assert q_end + 0.5 <= start < q_end + 1.5  # after the question and the 500 ms end-of-turn silence
     assert end - start == pytest.approx(len(ANSWER) * 0.25, abs=0.1)  # played once, in real time
     turn = result.turns[-1]
@@ -102,8 +108,9 @@ async def test_file_mode_two_questions_two_answers_and_output_rate(server, tmp_p
     sf.write(tmp_path / "q.wav", speech(0.2, QUESTION, 2.6, "hello how are you", rate=16000), 16000)
     lines: list[str] = []
     screen = Screen(types.SimpleNamespace(write=lines.append, flush=lambda: None), tty=False)
-    result = await talk_files(tmp_path / "q.wav", tmp_path / "a.wav", url=url(server), output_rate=16000,
-                              screen=screen)
+    result = await talk_files(
+        tmp_path / "q.wav", tmp_path / "a.wav", url=url(server), output_rate=16000, screen=screen
+    )
     assert result.exit_code == 0
     audio, rate = sf.read(tmp_path / "a.wav", dtype="float32")
     assert rate == 16000
@@ -118,7 +125,9 @@ async def test_file_mode_two_questions_two_answers_and_output_rate(server, tmp_p
 async def test_file_mode_barge_in_flushes_the_answer(server, tmp_path):
     # the story takes 14 s; the user talks over it about 1.5 s after it starts
     sf.write(tmp_path / "q.wav", speech(0.2, "tell me a story", 2.0, "stop what is two plus two"), SR)
-    result = await talk_files(tmp_path / "q.wav", tmp_path / "a.wav", url=url(server), screen=Screen(tty=False))
+    result = await talk_files(
+        tmp_path / "q.wav", tmp_path / "a.wav", url=url(server), screen=Screen(tty=False)
+    )
     assert result.exit_code == 0
     audio, rate = sf.read(tmp_path / "a.wav", dtype="float32")
     words = decode_tones(audio, rate)
@@ -154,21 +163,24 @@ def test_screen_redraws_partials_and_strikes_unheard_words():
     lines: list[str] = []
     screen = Screen(types.SimpleNamespace(write=lines.append, flush=lambda: None), tty=True)
     conv = Conversation(screen, locate=lambda ms: ms / 1000, on_interrupt=lambda: None)
-    for ev in [{"type": "transcript.partial", "turn_id": 1, "text": "tell me"},
-               {"type": "transcript.partial", "turn_id": 1, "text": "tell me a story"},
-               {"type": "transcript.final", "turn_id": 1, "text": "tell me a story"},
-               {"type": "response.started", "turn_id": 1},
-               {"type": "response.text.delta", "turn_id": 1, "delta": "once upon"},
-               {"type": "response.text.delta", "turn_id": 1, "delta": " a time"},
-               {"type": "turn.latency", "turn_id": 1, "stages": {"first_audio": 640.0}},
-               {"type": "response.interrupted", "turn_id": 1, "played_text": "once upon"},
-               {"type": "response.done", "turn_id": 1, "status": "interrupted", "text": "once upon a time"}]:
+    for ev in [
+        {"type": "transcript.partial", "turn_id": 1, "text": "tell me"},
+        {"type": "transcript.partial", "turn_id": 1, "text": "tell me a story"},
+        {"type": "transcript.final", "turn_id": 1, "text": "tell me a story"},
+        {"type": "response.started", "turn_id": 1},
+        {"type": "response.text.delta", "turn_id": 1, "delta": "once upon"},
+        {"type": "response.text.delta", "turn_id": 1, "delta": " a time"},
+        {"type": "turn.latency", "turn_id": 1, "stages": {"first_audio": 640.0}},
+        {"type": "response.interrupted", "turn_id": 1, "played_text": "once upon"},
+        {"type": "response.done", "turn_id": 1, "status": "interrupted", "text": "once upon a time"},
+    ]:
         conv.handle(ev, 0.0)
     assert "".join(lines) == (
         "\r\x1b[K you: tell me ...\r\x1b[K you: tell me a story ...\r\x1b[K you: tell me a story\n"
         " bot: once upon a time\n"
         "      (interrupted; not heard: \x1b[9ma time\x1b[0m)\n"
-        "      [latency; server ms from end of speech: first audio 640]\n")
+        "      [latency; server ms from end of speech: first audio 640]\n"
+    )
     assert conv.idle() and conv.answers == 1 and conv.turns[1].heard == "once upon"
 
 
@@ -214,7 +226,10 @@ def test_bad_arguments(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "KEY=VALUE" in err and "--output-wav needs --input-wav" in err and "cannot read" in err
     assert talk_cli.parse_options(["end_of_turn_silence_ms=700", "vad_threshold=0.6", "x=abc"]) == {
-        "end_of_turn_silence_ms": 700, "vad_threshold": 0.6, "x": "abc"}
+        "end_of_turn_silence_ms": 700,
+        "vad_threshold": 0.6,
+        "x": "abc",
+    }
 
 
 def test_timeline_places_runs_and_flushes():
@@ -245,8 +260,10 @@ def test_missing_portaudio_is_a_clear_error(monkeypatch, capsys):
     for args in (cli_args(), cli_args(list_devices=True)):
         assert talk_cli.run(args) == 2
         err = capsys.readouterr().err
-        assert err.strip() == ("duplex talk: PortAudio is not installed (sudo apt install libportaudio2 / brew "
-                               "install portaudio); use --input-wav/--output-wav to run from files")
+        assert err.strip() == (
+            "duplex talk: PortAudio is not installed (sudo apt install libportaudio2 / brew "
+            "install portaudio); use --input-wav/--output-wav to run from files"
+        )
 
 
 def test_missing_device_names_it(monkeypatch, capsys):
@@ -267,8 +284,13 @@ class FakeRoom:
     20 ms it asks the output callback for a block, plays it, and hands the input callback what the
     microphone heard: the user's scripted speech plus the speaker through `rir`."""
 
-    def __init__(self, rate: int = 48000, rir: np.ndarray | None = None, out_latency_s: float = 0.03,
-                 inputs: bool = True) -> None:
+    def __init__(
+        self,
+        rate: int = 48000,
+        rir: np.ndarray | None = None,
+        out_latency_s: float = 0.03,
+        inputs: bool = True,
+    ) -> None:
         self.rate = rate
         self.block = rate // 50
         self.rir = rir
@@ -326,7 +348,9 @@ class FakeRoom:
             cur = time.monotonic() - t_start + 1.0  # PortAudio stream time: seconds, never 0
             out = np.zeros((b, 1), np.float32)
             dac = (end + self.out_latency) / self.rate + 1.0
-            self.streams["output"].callback(out, b, types.SimpleNamespace(currentTime=cur, outputBufferDacTime=dac), 0)
+            self.streams["output"].callback(
+                out, b, types.SimpleNamespace(currentTime=cur, outputBufferDacTime=dac), 0
+            )
             at = end + self.out_latency
             self.speaker[at : at + b] = out[:, 0]
             if self.speaker_on is None and np.abs(out).max() > 0.01:
@@ -334,8 +358,12 @@ class FakeRoom:
             with self._lock:
                 mic = self.user[self.samples : end] + self._echo(self.samples, end)
             adc = self.samples / self.rate + 1.0
-            self.streams["input"].callback(np.stack([mic, mic], axis=1), b, types.SimpleNamespace(
-                currentTime=cur, inputBufferAdcTime=adc), 0)
+            self.streams["input"].callback(
+                np.stack([mic, mic], axis=1),
+                b,
+                types.SimpleNamespace(currentTime=cur, inputBufferAdcTime=adc),
+                0,
+            )
             self.samples = end
 
     def played(self) -> np.ndarray:
@@ -343,8 +371,19 @@ class FakeRoom:
 
 
 class FakeStream:
-    def __init__(self, room: FakeRoom, kind: str, *, samplerate: int, blocksize: int, device: Any, channels: int,
-                 dtype: str, latency: Any, callback: Any) -> None:
+    def __init__(
+        self,
+        room: FakeRoom,
+        kind: str,
+        *,
+        samplerate: int,
+        blocksize: int,
+        device: Any,
+        channels: int,
+        dtype: str,
+        latency: Any,
+        callback: Any,
+    ) -> None:
         assert samplerate == room.rate and blocksize == room.block and dtype == "float32" and channels == 1
         self.room, self.kind, self.callback = room, kind, callback
         self.latency = 0.03
@@ -367,8 +406,20 @@ def fake_sounddevice(room: FakeRoom) -> types.ModuleType:
     class PortAudioError(Exception):
         pass
 
-    devices = [{"name": "Fake Mic", "max_input_channels": 2, "max_output_channels": 0, "default_samplerate": room.rate},
-               {"name": "Fake Speaker", "max_input_channels": 0, "max_output_channels": 2, "default_samplerate": room.rate}]
+    devices = [
+        {
+            "name": "Fake Mic",
+            "max_input_channels": 2,
+            "max_output_channels": 0,
+            "default_samplerate": room.rate,
+        },
+        {
+            "name": "Fake Speaker",
+            "max_input_channels": 0,
+            "max_output_channels": 2,
+            "default_samplerate": room.rate,
+        },
+    ]
     if not room.inputs:
         devices = devices[1:]
 
@@ -387,8 +438,9 @@ def fake_sounddevice(room: FakeRoom) -> types.ModuleType:
     return sd
 
 
-async def converse(srv: DuplexServer, room: FakeRoom, echo: str, until: Any, limit_s: float = 15.0,
-                   settle: bool = True) -> LiveTalk:
+async def converse(
+    srv: DuplexServer, room: FakeRoom, echo: str, until: Any, limit_s: float = 15.0, settle: bool = True
+) -> LiveTalk:
     """Run live mode on `room` until `until(talk)` holds (and, with `settle`, until it is idle), then
     stop it as Ctrl-C would."""
     live = LiveTalk(fake_sounddevice(room), url=url(srv), echo=echo, screen=Screen(tty=False))
@@ -430,8 +482,9 @@ async def test_live_plays_the_answer_and_the_echo_canceller_keeps_the_bot_from_i
 async def test_live_without_echo_handling_the_bot_interrupts_itself(server):
     room = FakeRoom(rir=room_response(48000))
     room.say(tone_speech(QUESTION, 48000), at_s=0.4)
-    live = await converse(server, room, "off", lambda t: bool(events(t, "response.interrupted")), limit_s=10,
-                          settle=False)
+    live = await converse(
+        server, room, "off", lambda t: bool(events(t, "response.interrupted")), limit_s=10, settle=False
+    )
     assert events(live, "response.interrupted")[0]["turn_id"] == 1  # cut by its own echo
 
 
@@ -455,7 +508,9 @@ async def test_live_barge_in_gets_through_the_echo_canceller(server):
     assert finals == ["tell me a story", "stop what is two plus two"], context
     assert statuses == ["interrupted", "completed"], context
     assert "two" in words, context
-    assert 2 <= words.index("two") < 12 and words[words.index("two") :] == "two plus two is four".split(), context
+    assert 2 <= words.index("two") < 12 and words[words.index("two") :] == "two plus two is four".split(), (
+        context
+    )
 
 
 async def test_live_reports_a_lost_server(server):
@@ -473,7 +528,9 @@ async def test_live_reports_a_lost_server(server):
 @pytest.fixture
 def threaded_server():
     """The tone server on its own thread and loop, for tests that call the synchronous `run()`."""
-    service = DuplexService(load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=2))
+    service = DuplexService(
+        load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=2)
+    )
     srv = DuplexServer(service, ServerSettings(host="127.0.0.1", port=0))
     loop = asyncio.new_event_loop()
     ready = threading.Event()

@@ -19,14 +19,29 @@ def test_talk_from_files_writes_a_spoken_answer(live, tmp_path):
     from asr.moonshine import MoonshineModel
     from tests.speech import silence, synthesize
 
-    question = np.concatenate([silence(0.5, 24000), synthesize("What is the capital of France?", 24000),
-                               silence(0.5, 24000)])
+    question = np.concatenate(
+        [silence(0.5, 24000), synthesize("What is the capital of France?", 24000), silence(0.5, 24000)]
+    )
     q, a = tmp_path / "q.wav", tmp_path / "a.wav"
     sf.write(q, np.stack([question, question], axis=1), 24000)  # stereo 24 kHz, as a recorder would
     run = subprocess.run(
-        [sys.executable, "-m", "duplex.cli", "talk", "--server", f"ws://127.0.0.1:{live.port}/v1/duplex",
-         "--input-wav", str(q), "--output-wav", str(a), "--timeout", "90"],
-        capture_output=True, text=True, timeout=150,
+        [
+            sys.executable,
+            "-m",
+            "duplex.cli",
+            "talk",
+            "--server",
+            f"ws://127.0.0.1:{live.port}/v1/duplex",
+            "--input-wav",
+            str(q),
+            "--output-wav",
+            str(a),
+            "--timeout",
+            "90",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "capital" in run.stdout.lower()  # the live transcript was printed

@@ -74,7 +74,9 @@ async def test_twilio_call_question_answer_and_barge_in(live, say, asr_model):
         second = await call.wait_for_answer(after=barge.end, limit_s=60)
         assert len(second) > 0.3 * 8000  # the new question got a spoken answer
         # the context: the story kept only what the caller heard, then the new question
-        core = list(live.service.sessions.values())[-1]  # the call (a previous test's session may still be closing)
+        core = list(live.service.sessions.values())[
+            -1
+        ]  # the call (a previous test's session may still be closing)
         users = [m["content"].lower() for m in core.history if m["role"] == "user"]
         assert "two" in users[-1] or "2" in users[-1], core.history
         story = core.history[3]["content"] if len(core.history) > 3 else ""
@@ -84,13 +86,17 @@ async def test_twilio_call_question_answer_and_barge_in(live, say, asr_model):
 
 
 async def test_audiosocket_call_question_answer_and_hangup(live, say, asr_model):
-    async with AudioSocketPeer("127.0.0.1", live.audiosocket_port, jitter_ms=10, bunching=0.05, seed=2) as call:
+    async with AudioSocketPeer(
+        "127.0.0.1", live.audiosocket_port, jitter_ms=10, bunching=0.05, seed=2
+    ) as call:
         await asyncio.sleep(0.5)
         said = await call.say(say("What is the capital of France?"))
         answer = await call.wait_for_answer(after=said.end, limit_s=60)
         onset = call.first_played_after(said.end) - said.end
         assert 0.3 < onset < 5.0
-        core = list(live.service.sessions.values())[-1]  # the call (a previous test's session may still be closing)
+        core = list(live.service.sessions.values())[
+            -1
+        ]  # the call (a previous test's session may still be closing)
         heard = heard_text(asr_model, answer)
         assert "paris" in heard, (heard, float(np.abs(answer).max()), len(answer) / 8000, core.history)
         said = await call.say(say("Tell me a long story about a dragon."))

@@ -56,7 +56,9 @@ def test_audio_out_converts_24k_pcm16_to_8k_mulaw_and_resets_cleanly():
 
 
 async def test_open_session_frees_the_session_and_honours_capacity():
-    service = DuplexService(load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=1))
+    service = DuplexService(
+        load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=1)
+    )
     sent = []
 
     async def send(item):
@@ -75,8 +77,13 @@ async def test_open_session_frees_the_session_and_honours_capacity():
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("127.0.0.1:9092", ("127.0.0.1", 9092)), (":9092", ("127.0.0.1", 9092)), ("9092", ("127.0.0.1", 9092)),
-     ("[::1]:9000", ("::1", 9000)), ("0.0.0.0:0", ("0.0.0.0", 0))],
+    [
+        ("127.0.0.1:9092", ("127.0.0.1", 9092)),
+        (":9092", ("127.0.0.1", 9092)),
+        ("9092", ("127.0.0.1", 9092)),
+        ("[::1]:9000", ("::1", 9000)),
+        ("0.0.0.0:0", ("0.0.0.0", 0)),
+    ],
 )
 def test_parse_host_port(value, expected):
     assert parse_host_port(value) == expected

@@ -24,8 +24,16 @@ from duplex.testing.fakes import (
     tone_speech,
 )
 
-COSTS = {"vad": 0.002, "asr.partial": 0.05, "asr.final": 0.08, "llm.first": 0.2, "llm.step": 0.1,
-         "llm.listen": 0.03, "llm.overlap": 0.03, "tts": 0.02}
+COSTS = {
+    "vad": 0.002,
+    "asr.partial": 0.05,
+    "asr.final": 0.08,
+    "llm.first": 0.2,
+    "llm.step": 0.1,
+    "llm.listen": 0.03,
+    "llm.overlap": 0.03,
+    "tts": 0.02,
+}
 
 
 def silence(seconds: float) -> np.ndarray:
@@ -36,7 +44,9 @@ def make_core(**overrides):
     profile = load_profile("cpu")
     clock = FakeClock()
     stages = fake_turn_stages(scripted_answer)
-    core = SessionCore("s1", profile, stages, clock, options=dataclasses.replace(profile.session, **overrides))
+    core = SessionCore(
+        "s1", profile, stages, clock, options=dataclasses.replace(profile.session, **overrides)
+    )
     return core, clock, stages
 
 
@@ -57,9 +67,15 @@ def test_complete_question_is_answered_after_the_short_hangover():
 
 def test_mid_sentence_pause_of_1_3_s_does_not_take_the_turn():
     core, clock, _ = make_core()
-    audio = np.concatenate([
-        silence(0.5), tone_speech("what is the capital of"), silence(1.3), tone_speech("france"), silence(3.5)
-    ])
+    audio = np.concatenate(
+        [
+            silence(0.5),
+            tone_speech("what is the capital of"),
+            silence(1.3),
+            tone_speech("france"),
+            silence(3.5),
+        ]
+    )
     result = replay(core, clock, audio, COSTS)
     decisions = [d.decision for d in result.events("turn.decision")]
     assert decisions[0] == "listen" and decisions[-1] == "speak"
@@ -98,10 +114,17 @@ def test_stop_interrupts_and_the_new_question_is_answered():
     core, clock, _ = make_core()
     q = tone_speech("tell me a story")
     t_stop = 0.5 + len(q) / SR + 2.5
-    audio = np.concatenate([
-        silence(0.5), q, silence(2.5), tone_speech("stop"), silence(0.3),
-        tone_speech("what is two plus two"), silence(4.0),
-    ])
+    audio = np.concatenate(
+        [
+            silence(0.5),
+            q,
+            silence(2.5),
+            tone_speech("stop"),
+            silence(0.3),
+            tone_speech("what is two plus two"),
+            silence(4.0),
+        ]
+    )
     result = replay(core, clock, audio, COSTS)
     interrupted = result.events("response.interrupted")
     assert len(interrupted) == 1
@@ -129,8 +152,19 @@ def test_long_overlap_interrupts_whatever_the_head_says():
 def test_service_backchannels_in_a_long_turn_rate_limited():
     core, clock, _ = make_core(backchannel_min_turn_ms=1500, backchannel_interval_ms=4000)
     part = tone_speech("once upon time there was cat and")
-    audio = np.concatenate([silence(0.5), part, silence(0.9), part, silence(0.9), part, silence(0.9),
-                            tone_speech("it was very good"), silence(3.0)])
+    audio = np.concatenate(
+        [
+            silence(0.5),
+            part,
+            silence(0.9),
+            part,
+            silence(0.9),
+            part,
+            silence(0.9),
+            tone_speech("it was very good"),
+            silence(3.0),
+        ]
+    )
     result = replay(core, clock, audio, COSTS)
     mine = [b for b in result.events("backchannel") if b.source == "service"]
     # three pauses invite one, but the interval allows only the first two 4 s apart at most
@@ -174,7 +208,9 @@ def test_answer_audio_is_held_at_once_and_resumed_after_a_backchannel():
 def test_a_bare_interruption_cue_is_not_a_turn_to_answer() -> None:
     from duplex.base.cues import is_bare_cue as bare_interruption_cue
 
-    assert bare_interruption_cue("Stop,") and bare_interruption_cue("Hold on.") and bare_interruption_cue("wait")
+    assert (
+        bare_interruption_cue("Stop,") and bare_interruption_cue("Hold on.") and bare_interruption_cue("wait")
+    )
     assert not bare_interruption_cue("Stop, what is two plus two?")
     assert not bare_interruption_cue("No.")  # an answer to the service's own question
     assert not bare_interruption_cue("What is the capital of France?")
@@ -195,7 +231,12 @@ def test_the_take_rule_in_the_session_core():
     assert result.events("turn.decision")[-1].decision == "backchannel"
     assert result.events("response.done")[0].text == "paris is the capital of france"
     # without the take rule the same head output is "listen": answered only after the long hangover
-    core = SessionCore("s1", profile, dataclasses.replace(stages, policy=dataclasses.replace(policy, take_threshold=None)), FakeClock(),
-                       options=profile.session)
+    core = SessionCore(
+        "s1",
+        profile,
+        dataclasses.replace(stages, policy=dataclasses.replace(policy, take_threshold=None)),
+        FakeClock(),
+        options=profile.session,
+    )
     result = replay(core, core.clock, np.concatenate([silence(0.5), speech, silence(3.0)]), COSTS)
     assert result.events("turn.decision")[-1].decision == "listen"

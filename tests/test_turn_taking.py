@@ -49,17 +49,41 @@ def test_normalize_strips_punctuation_keeps_case_and_apostrophes():
 # -- labelling rules -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prefix", ["I would like to book a table for", "Can you tell me the", "So", "I want to",
-                                    "My sister and", "Can I get", "I'd like to get", "what is the capital of",
-                                    "What kind of"])
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "I would like to book a table for",
+        "Can you tell me the",
+        "So",
+        "I want to",
+        "My sister and",
+        "Can I get",
+        "I'd like to get",
+        "what is the capital of",
+        "What kind of",
+    ],
+)
 def test_cuts_after_function_words_are_incomplete(prefix):
     assert D.incomplete_after(prefix.split())
 
 
-@pytest.mark.parametrize("prefix", ["What is the capital of France", "Who are you talking to", "My laptop won't turn on",
-                                    "Yes I can", "I don't know what it is", "What do you want", "I went to the store.",
-                                    "Good morning,", "Where is he", "What's the weather like",
-                                    "Do I", "Try not to"])
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "What is the capital of France",
+        "Who are you talking to",
+        "My laptop won't turn on",
+        "Yes I can",
+        "I don't know what it is",
+        "What do you want",
+        "I went to the store.",
+        "Good morning,",
+        "Where is he",
+        "What's the weather like",
+        "Do I",
+        "Try not to",
+    ],
+)
 def test_complete_looking_prefixes_are_not_cut(prefix):
     assert not D.incomplete_after(prefix.split())
 
@@ -113,7 +137,9 @@ def test_overlap_examples_cover_both_classes_and_hard_cases():
 def test_split_is_deterministic_and_keeps_groups_together():
     rows = [{"group": f"g{i % 97}", "i": i, "head": "turn", "label": 0} for i in range(2000)]
     a, b = D.split_examples(rows, seed=0), D.split_examples(list(reversed(rows)), seed=0)
-    assert {k: sorted(r["i"] for r in v) for k, v in a.items()} == {k: sorted(r["i"] for r in v) for k, v in b.items()}
+    assert {k: sorted(r["i"] for r in v) for k, v in a.items()} == {
+        k: sorted(r["i"] for r in v) for k, v in b.items()
+    }
     groups = {k: {r["group"] for r in v} for k, v in a.items()}
     assert not groups["train"] & groups["val"] and not groups["train"] & groups["heldout"]
     assert not groups["val"] & groups["heldout"]
@@ -122,13 +148,23 @@ def test_split_is_deterministic_and_keeps_groups_together():
 
 def test_examples_do_not_depend_on_string_hashing():
     """Python randomises str hashes per process: nothing may iterate a set of strings unsorted."""
-    code = ("import hashlib, json; from dialogue.training import turn_data as D; "
-            "print(hashlib.sha256(json.dumps(D.overlap_examples([('s', 'g', 'What is two plus two?')])).encode())"
-            ".hexdigest())")
+    code = (
+        "import hashlib, json; from dialogue.training import turn_data as D; "
+        "print(hashlib.sha256(json.dumps(D.overlap_examples([('s', 'g', 'What is two plus two?')])).encode())"
+        ".hexdigest())"
+    )
     root = Path(__file__).resolve().parents[1]
-    outs = {subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(root)}).stdout
-            for seed in ("1", "2")}
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(root)},
+        ).stdout
+        for seed in ("1", "2")
+    }
     assert len(outs) == 1
 
 
@@ -158,10 +194,14 @@ class ChatMLStub:
 
 
 def test_render_user_prefix_leaves_the_user_message_open():
-    ids = render_user_prefix(ChatMLStub(), "SYS", [{"role": "assistant", "content": "Hi."}], "Book a table, for")
+    ids = render_user_prefix(
+        ChatMLStub(), "SYS", [{"role": "assistant", "content": "Hi."}], "Book a table, for"
+    )
     text = "".join(map(chr, ids))
-    assert text == "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>assistant\nHi.<|im_end|>\n" \
-                   "<|im_start|>user\nBook a table for"
+    assert (
+        text == "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>assistant\nHi.<|im_end|>\n"
+        "<|im_start|>user\nBook a table for"
+    )
     with pytest.raises(ValueError, match="end the user message"):
         render_user_prefix(ChatMLStub(end="</s>"), "SYS", [], "hello")
     with pytest.raises(ValueError, match="bad history"):
@@ -183,8 +223,14 @@ def test_render_user_prefix_with_the_drafter_tokenizer(drafter_tokenizer):
     tok = drafter_tokenizer
     hist = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello! How can I help?"}]
     ids = render_user_prefix(tok, "Be brief.", hist, "What is the capital. Of France?")
-    full = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, *hist,
-                                    {"role": "user", "content": "What is the capital Of France"}], tokenize=False)
+    full = tok.apply_chat_template(
+        [
+            {"role": "system", "content": "Be brief."},
+            *hist,
+            {"role": "user", "content": "What is the capital Of France"},
+        ],
+        tokenize=False,
+    )
     assert tok.decode(ids) == full[: -len("<|im_end|>\n")]
     assert tok.decode(ids).endswith("<|im_start|>user\nWhat is the capital Of France")
     # the open message is a token prefix of the same message once the user goes on
@@ -220,7 +266,9 @@ def test_policy_follows_the_session_rule():
 def test_take_rule_takes_a_finished_thought_whichever_class_is_likelier():
     from duplex.eval.dialogue import decide
 
-    pol = TurnPolicy(speak_threshold=0.7, backchannel_threshold=0.7, interrupt_threshold=0.6, take_threshold=0.6)
+    pol = TurnPolicy(
+        speak_threshold=0.7, backchannel_threshold=0.7, interrupt_threshold=0.6, take_threshold=0.6
+    )
     # "I live in Paris.": neither class alone is sure, but the thought is finished
     assert pol.decide_turn([0.03, 0.51, 0.46]) == BACKCHANNEL
     assert pol.decide_turn([0.03, 0.40, 0.57]) == SPEAK

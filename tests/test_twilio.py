@@ -74,8 +74,9 @@ async def gateway():
     made: list[Gateway] = []
 
     async def make(max_sessions: int = 4, **settings: Any) -> Gateway:
-        service = DuplexService(load_profile("cpu"), fake_stages(scripted_answer),
-                                limits=ServiceLimits(max_sessions=max_sessions))
+        service = DuplexService(
+            load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=max_sessions)
+        )
         server = DuplexServer(service, ServerSettings(host="127.0.0.1", port=0))
         gw = Gateway(server, service, "")
         mount_twilio(server, TwilioSettings(on_event=gw.events.append, on_start=gw.calls.append, **settings))
@@ -238,21 +239,35 @@ async def test_bad_frames_are_logged_and_skipped_while_a_parallel_call_works(gat
             return decode_tones(await call.wait_for_answer(after=spoken.end), 8000)
 
     async def bad_call() -> tuple[list[str], TwilioPeer]:
-        async with TwilioPeer(gw.url, seed=2, auto_start=False, call_sid="CAbad",
-                              media_format={"encoding": "audio/x-l16", "sampleRate": 16000}) as call:
+        async with TwilioPeer(
+            gw.url,
+            seed=2,
+            auto_start=False,
+            call_sid="CAbad",
+            media_format={"encoding": "audio/x-l16", "sampleRate": 16000},
+        ) as call:
             media = {"event": "media", "streamSid": call.stream_sid, "media": {"payload": "//8="}}
-            for junk in ["{not json", "[1, 2]", '"media"', json.dumps({"event": 5}),
-                         json.dumps({"event": "teleport"}), json.dumps(media), b"\x00\x01binary",
-                         json.dumps({"event": "dtmf", "dtmf": {"digit": "1"}})]:
+            for junk in [
+                "{not json",
+                "[1, 2]",
+                '"media"',
+                json.dumps({"event": 5}),
+                json.dumps({"event": "teleport"}),
+                json.dumps(media),
+                b"\x00\x01binary",
+                json.dumps({"event": "dtmf", "dtmf": {"digit": "1"}}),
+            ]:
                 await call.send_raw(junk)
             await call.start()  # with the wrong mediaFormat: warned about, then mu-law 8 kHz is assumed
             for payload in ["not base64!", "", base64.b64encode(bytes(9000)).decode(), 7]:
                 await call.send_json({**media, "media": {"payload": payload}})
-            for junk_event in [{"event": "media", "streamSid": call.stream_sid},
-                               {**media, "media": {"track": "outbound", "payload": "//8="}},
-                               {"event": "dtmf", "dtmf": {"digit": "Z"}},
-                               {"event": "mark", "mark": {"name": "t9:999:9"}},
-                               {"event": "start", "start": {"streamSid": "MZother"}}]:
+            for junk_event in [
+                {"event": "media", "streamSid": call.stream_sid},
+                {**media, "media": {"track": "outbound", "payload": "//8="}},
+                {"event": "dtmf", "dtmf": {"digit": "Z"}},
+                {"event": "mark", "mark": {"name": "t9:999:9"}},
+                {"event": "start", "start": {"streamSid": "MZother"}},
+            ]:
                 await call.send_json(junk_event)
             spoken = await call.say(tone_speech("hello how are you"))
             return decode_tones(await call.wait_for_answer(after=spoken.end), 8000), call
@@ -264,11 +279,27 @@ async def test_bad_frames_are_logged_and_skipped_while_a_parallel_call_works(gat
     (bad_twilio,) = [c for c in gw.calls if c.call_sid == "CAbad"]
     assert bad_twilio.stats.bad_frames == 17
     sid = bad_twilio.session_id
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and sid in r.getMessage()]
-    for text in ["malformed JSON", 'not a JSON object with a string "event"', "unknown event 'teleport'",
-                 "media before start", "binary frame", "dtmf before start", "mediaFormat", "not valid base64",
-                 "empty media payload", "base64 characters", "without a string payload", "without a 'media' object",
-                 "track 'outbound'", "dtmf digit 'Z'", "never sent", "a second start message"]:
+    warned = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and sid in r.getMessage()
+    ]
+    for text in [
+        "malformed JSON",
+        'not a JSON object with a string "event"',
+        "unknown event 'teleport'",
+        "media before start",
+        "binary frame",
+        "dtmf before start",
+        "mediaFormat",
+        "not valid base64",
+        "empty media payload",
+        "base64 characters",
+        "without a string payload",
+        "without a 'media' object",
+        "track 'outbound'",
+        "dtmf digit 'Z'",
+        "never sent",
+        "a second start message",
+    ]:
         assert any(text in w for w in warned), f"no warning with {text!r} in {warned}"
     assert all("skipped" in w for w in warned if "mediaFormat" not in w)
     await gw.wait_sessions(0)
@@ -280,7 +311,9 @@ async def test_too_many_bad_frames_in_a_row_close_the_call(gateway, monkeypatch)
     async with TwilioPeer(gw.url, stream_audio=False) as call:  # no media in between: they are good messages
         for _ in range(15):
             await call.send_raw("{junk")
-        await call.send_json({"event": "connected", "protocol": "Call", "version": "1.0.0"})  # a good one resets
+        await call.send_json(
+            {"event": "connected", "protocol": "Call", "version": "1.0.0"}
+        )  # a good one resets
         for _ in range(15):
             await call.send_raw("{junk")
         await asyncio.sleep(0.2)
@@ -329,7 +362,9 @@ async def test_signature_is_required_when_a_token_is_set(gateway):
         await gw.wait_sessions(1)  # the default port written out is the same URL
     refusals = {
         "missing": TwilioPeer(gw.url),
-        "wrong token": TwilioPeer(gw.url, auth_token="guess", signature_url="wss://voice.example.com/v1/twilio"),
+        "wrong token": TwilioPeer(
+            gw.url, auth_token="guess", signature_url="wss://voice.example.com/v1/twilio"
+        ),
         "other URL": TwilioPeer(gw.url + "?tenant=8", auth_token="s3cret", signature_url=signed),
         "not base64": TwilioPeer(gw.url, signature="é" * 28),
     }
@@ -352,7 +387,10 @@ async def test_dtmf_reaches_on_event_with_the_session_id(gateway, caplog):
         await call.wait_for(lambda: len(gw.of(DtmfReceived)) == 3, limit_s=2)
     sid = gw.calls[0].session_id
     assert [(e.digit, e.source, e.session_id) for e in gw.of(DtmfReceived)] == [
-        ("5", "twilio", sid), ("#", "twilio", sid), ("A", "twilio", sid)]
+        ("5", "twilio", sid),
+        ("#", "twilio", sid),
+        ("A", "twilio", sid),
+    ]
     assert gw.of(DtmfReceived)[0].to_wire()["type"] == "input.dtmf"
     assert any(f"session {sid}" in r.getMessage() and "DTMF 5" in r.getMessage() for r in caplog.records)
 

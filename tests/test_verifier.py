@@ -90,8 +90,30 @@ def test_prefix_cut(text: str, ended: bool, prefix: str) -> None:
 
 def test_prefix_never_cuts_a_half_word() -> None:
     rng = random.Random(0)
-    pieces = [" the", " cat", "'s", " well", "-", "known", ",", ".", "!", " 3", ".", "5", " I", "'m",
-              " sorry", "?", " un", "believ", "able", " \u2014", " caf\u00e9", " "]
+    pieces = [
+        " the",
+        " cat",
+        "'s",
+        " well",
+        "-",
+        "known",
+        ",",
+        ".",
+        "!",
+        " 3",
+        ".",
+        "5",
+        " I",
+        "'m",
+        " sorry",
+        "?",
+        " un",
+        "believ",
+        "able",
+        " \u2014",
+        " caf\u00e9",
+        " ",
+    ]
     for _ in range(3000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 9))).lstrip()
         full = text + rng.choice([" next", "ing", "'s", "-ly", "5", ""])  # what a later token might add
@@ -118,7 +140,9 @@ def test_draft_stop_rules() -> None:
 def test_draft_records_what_chose_each_token() -> None:
     tok = tiny_tokenizer()
     model = tiny_model(len(tok))
-    ids = tok.encode("<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    ids = tok.encode(
+        "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
     d = draft(model, tok, ids)
     n = len(d.tokens)
     assert 0 < n <= MAX_DRAFT_TOKENS
@@ -239,9 +263,21 @@ def test_after_a_barge_in_cue_a_draft_about_the_cut_off_answer_is_vetoed():
     assert draft_veto("The car engine works", cut) is None
     # the live bench's other one: the topic was in the request, not in the words of the answer
     mouse = "Tell me a long story about a brave little mouse."
-    assert draft_veto("The story about a", "Once upon a time, in a cozy hole, lived Pip.",
-                      "Stop. What is two plus two?", previous_request=mouse) == "topic"
-    assert draft_veto("Two plus two is", "Once upon a time", "Stop. What is two plus two?", previous_request=mouse) is None
+    assert (
+        draft_veto(
+            "The story about a",
+            "Once upon a time, in a cozy hole, lived Pip.",
+            "Stop. What is two plus two?",
+            previous_request=mouse,
+        )
+        == "topic"
+    )
+    assert (
+        draft_veto(
+            "Two plus two is", "Once upon a time", "Stop. What is two plus two?", previous_request=mouse
+        )
+        is None
+    )
     assert opens_with_interrupt_cue("Hold on, what color is grass?") and opens_with_interrupt_cue("wait")
     assert not opens_with_interrupt_cue("Waiters are busy") and not opens_with_interrupt_cue("What is it?")
 
@@ -298,14 +334,22 @@ def test_tiny_training_separates_a_separable_set() -> None:
 def test_forced_negatives() -> None:
     assert T.forced_negative({"prefix": "", "text": "hi"}) == "empty"
     assert T.forced_negative({"prefix": "\u4f60\u597d", "text": "hi"}) == "foreign"
-    assert T.forced_negative({"prefix": "What is the capital", "text": "what is the capital of France"}) == "echo"
+    assert (
+        T.forced_negative({"prefix": "What is the capital", "text": "what is the capital of France"})
+        == "echo"
+    )
     assert T.forced_negative({"prefix": "Hey how's it going?", "text": "Hey how's it going"}) == "echo"
     assert T.forced_negative({"prefix": "```python\ndef", "text": "write a sort"}) == "markup"
     assert T.forced_negative({"prefix": "**Sure**", "text": "hi"}) == "markup"
-    assert T.forced_negative({"prefix": "The capital of France is", "text": "what is the capital of France"}) is None
+    assert (
+        T.forced_negative({"prefix": "The capital of France is", "text": "what is the capital of France"})
+        is None
+    )
     army = "What is the lowest army rank of a US soldier"
     assert T.forced_negative({"prefix": "The lowest army rank of", "text": army}) is None
-    assert T.forced_negative({"prefix": "Remind me to take my", "text": "Remind me to take my pills"}) == "echo"
+    assert (
+        T.forced_negative({"prefix": "Remind me to take my", "text": "Remind me to take my pills"}) == "echo"
+    )
     assert T.forced_negative({"prefix": "Caf\u00e9 au lait is", "text": "what is cafe au lait"}) is None
     assert RP.normalise_asr_text(' Hello, "world"!  I\'m  here.') == "Hello world I'm here"
 
@@ -319,8 +363,11 @@ def test_labels_accept_the_slow_models_own_opening_or_typical_tokens() -> None:
     # it is sure (H = 0.2: bar min(0.09, 0.25) = 0.09): only a likely token passes
     assert acc.accepts([math.log(0.5)], [0.2]) and not acc.accepts([math.log(0.05)], [0.2])
     assert not acc.accepts([], []) and not acc.accepts([math.log(0.5)], [])
-    base = {"text": "what is the capital of France", "score_logprobs": [math.log(0.5), math.log(0.001)],
-            "score_entropies": [1.0, 1.0]}
+    base = {
+        "text": "what is the capital of France",
+        "score_logprobs": [math.log(0.5), math.log(0.001)],
+        "score_entropies": [1.0, 1.0],
+    }
     # unlikely by the scores, but word for word how the slow model itself begins: acceptable
     own = base | {"prefix": "The capital of", "slow_text": "The capital of France is"}
     assert T.judge_prefix(own, acc) == "own"

@@ -29,16 +29,85 @@ WORDNET_DIR = "/usr/share/wordnet"
 FORTUNE_DIR = "/usr/share/games/fortunes"
 DIALOGUE_DATA = DATA_ROOT / "dialogue"
 
-ACCENTS = ("en-US", "en", "en-GB-scotland", "en-GB-x-rp", "en-029", "en-GB-x-gbclan", "en-US-nyc",
-           "en-GB-x-gbcwmd")
+ACCENTS = (
+    "en-US",
+    "en",
+    "en-GB-scotland",
+    "en-GB-x-rp",
+    "en-029",
+    "en-GB-x-gbclan",
+    "en-US-nyc",
+    "en-GB-x-gbcwmd",
+)
 HELDOUT_ACCENTS = ("en-GB-x-gbcwmd",)
 # espeak-ng variants (espeak-ng-data/voices/!v); "" is the accent's own voice
-VARIANTS = ("", "m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8", "f1", "f2", "f3", "f4", "f5", "klatt",
-            "klatt2", "klatt3", "klatt4", "klatt5", "klatt6", "Alex", "Andy", "Annie", "adam", "anika",
-            "aunty", "belinda", "benjamin", "caleb", "david", "ed", "edward", "grandma", "grandpa", "iven",
-            "iven2", "john", "linda", "max", "michel", "norbert", "paul", "quincy", "rob", "robert",
-            "steph", "steph2", "travis", "victor", "zac", "croak", "Gene", "Lee", "Michael", "Storm",
-            "shelby", "Mike", "Jacky", "Hugo", "Reed", "Tweaky", "kaukovalta", "ian", "Alicia", "Andrea")
+VARIANTS = (
+    "",
+    "m1",
+    "m2",
+    "m3",
+    "m4",
+    "m5",
+    "m6",
+    "m7",
+    "m8",
+    "f1",
+    "f2",
+    "f3",
+    "f4",
+    "f5",
+    "klatt",
+    "klatt2",
+    "klatt3",
+    "klatt4",
+    "klatt5",
+    "klatt6",
+    "Alex",
+    "Andy",
+    "Annie",
+    "adam",
+    "anika",
+    "aunty",
+    "belinda",
+    "benjamin",
+    "caleb",
+    "david",
+    "ed",
+    "edward",
+    "grandma",
+    "grandpa",
+    "iven",
+    "iven2",
+    "john",
+    "linda",
+    "max",
+    "michel",
+    "norbert",
+    "paul",
+    "quincy",
+    "rob",
+    "robert",
+    "steph",
+    "steph2",
+    "travis",
+    "victor",
+    "zac",
+    "croak",
+    "Gene",
+    "Lee",
+    "Michael",
+    "Storm",
+    "shelby",
+    "Mike",
+    "Jacky",
+    "Hugo",
+    "Reed",
+    "Tweaky",
+    "kaukovalta",
+    "ian",
+    "Alicia",
+    "Andrea",
+)
 HELDOUT_VARIANTS = ("m6", "f4", "klatt3", "Andy", "linda", "steph2", "grandpa", "Storm", "anika", "Hugo")
 TRAIN_VARIANTS = tuple(v for v in VARIANTS if v not in HELDOUT_VARIANTS)
 TRAIN_ACCENTS = tuple(a for a in ACCENTS if a not in HELDOUT_ACCENTS)
@@ -140,7 +209,8 @@ def corpus() -> tuple[tuple[str, ...], tuple[str, ...]]:
     if not train:
         raise RuntimeError(
             "no training text found: install Debian's wordnet-base and fortunes "
-            "(apt-get install wordnet-base fortunes) or chatterbot-corpus")
+            "(apt-get install wordnet-base fortunes) or chatterbot-corpus"
+        )
     return tuple(train), tuple(heldout)
 
 
@@ -191,14 +261,28 @@ def random_voice(rng: np.random.Generator, heldout: bool = False, easy: bool = F
     if heldout:
         # a held-out voice: a held-out variant with any accent, or the held-out accent with any variant
         if rng.random() < 0.75:
-            accent, variant = ACCENTS[rng.integers(len(ACCENTS))], HELDOUT_VARIANTS[rng.integers(len(HELDOUT_VARIANTS))]
+            accent, variant = (
+                ACCENTS[rng.integers(len(ACCENTS))],
+                HELDOUT_VARIANTS[rng.integers(len(HELDOUT_VARIANTS))],
+            )
         else:
-            accent, variant = HELDOUT_ACCENTS[rng.integers(len(HELDOUT_ACCENTS))], VARIANTS[rng.integers(len(VARIANTS))]
+            accent, variant = (
+                HELDOUT_ACCENTS[rng.integers(len(HELDOUT_ACCENTS))],
+                VARIANTS[rng.integers(len(VARIANTS))],
+            )
     else:
-        accent, variant = TRAIN_ACCENTS[rng.integers(len(TRAIN_ACCENTS))], TRAIN_VARIANTS[rng.integers(len(TRAIN_VARIANTS))]
-    return VoiceSpec("espeak", espeak_name(accent, variant), rate=int(rng.integers(135, 221)),
-                     pitch=int(rng.integers(25, 76)), pitch_range=int(rng.integers(20, 91)),
-                     word_gap=int(rng.integers(0, 3)) if rng.random() < 0.3 else 0)
+        accent, variant = (
+            TRAIN_ACCENTS[rng.integers(len(TRAIN_ACCENTS))],
+            TRAIN_VARIANTS[rng.integers(len(TRAIN_VARIANTS))],
+        )
+    return VoiceSpec(
+        "espeak",
+        espeak_name(accent, variant),
+        rate=int(rng.integers(135, 221)),
+        pitch=int(rng.integers(25, 76)),
+        pitch_range=int(rng.integers(20, 91)),
+        word_gap=int(rng.integers(0, 3)) if rng.random() < 0.3 else 0,
+    )
 
 
 class Speaker:
@@ -217,8 +301,9 @@ class Speaker:
         audio, words, _ = self.speak_timed(text, spec)
         return audio, words
 
-    def speak_timed(self, text: str, spec: VoiceSpec) -> tuple[
-            np.ndarray, list[tuple[float, float]] | None, list[tuple[str, float, float]] | None]:
+    def speak_timed(
+        self, text: str, spec: VoiceSpec
+    ) -> tuple[np.ndarray, list[tuple[float, float]] | None, list[tuple[str, float, float]] | None]:
         """`speak_words` plus espeak's phonemes as (mnemonic, start, end) seconds (None for hibari)."""
         if spec.engine == "hibari":
             from tts.hibari_tts import SAMPLE_RATE as HIBARI_RATE
@@ -232,19 +317,29 @@ class Speaker:
         from asr.training.espeak_voice import IsolatedEspeak
 
         if self._espeak is None:
-            self._espeak = IsolatedEspeak()  # espeak-ng segfaults on rare inputs: keep that out of this process
+            self._espeak = (
+                IsolatedEspeak()
+            )  # espeak-ng segfaults on rare inputs: keep that out of this process
         audio, events, phonemes = self._espeak.synthesize_timed(
-            text, spec.voice, rate=spec.rate, pitch=spec.pitch, pitch_range=spec.pitch_range,
-            word_gap=spec.word_gap)
+            text,
+            spec.voice,
+            rate=spec.rate,
+            pitch=spec.pitch,
+            pitch_range=spec.pitch_range,
+            word_gap=spec.word_gap,
+        )
         audio = resample(audio, self._espeak.sample_rate, SAMPLE_RATE).astype(np.float32)
         total = audio.size / SAMPLE_RATE
-        spans = [(name, t, phonemes[k + 1][1] if k + 1 < len(phonemes) else total)
-                 for k, (name, t) in enumerate(phonemes)]
+        spans = [
+            (name, t, phonemes[k + 1][1] if k + 1 < len(phonemes) else total)
+            for k, (name, t) in enumerate(phonemes)
+        ]
         return audio, word_times(text, events, audio), [s for s in spans if s[2] > s[1]]
 
 
-def word_times(text: str, events: list[tuple[int, int, float]], audio: np.ndarray,
-               threshold: float = 0.02) -> list[tuple[float, float]] | None:
+def word_times(
+    text: str, events: list[tuple[int, int, float]], audio: np.ndarray, threshold: float = 0.02
+) -> list[tuple[float, float]] | None:
     """Each word of `normalize_text(text)` as (start, end) seconds in `audio` (16 kHz), from espeak's word
     events (character span, start time): a word ends at the last 10 ms of sound (RMS above `threshold`
     of the peak) before the next word starts. None when the events do not cover the words one to one."""
@@ -253,13 +348,15 @@ def word_times(text: str, events: list[tuple[int, int, float]], audio: np.ndarra
         return None
     for k, (pos, _length, t) in enumerate(events):
         # the text up to the next event: espeak reports "well-known" as one word event at "well"
-        n = len(normalize_text(text[pos: events[k + 1][0] if k + 1 < len(events) else len(text)]).split())
+        n = len(normalize_text(text[pos : events[k + 1][0] if k + 1 < len(events) else len(text)]).split())
         starts.extend([t] * n)  # an event of several words: its span is split evenly below
     if not starts or len(starts) != len(normalize_text(text).split()):
         return None
     hop = SAMPLE_RATE // 100
     frames = audio[: audio.size // hop * hop].reshape(-1, hop)
-    loud = np.sqrt(np.mean(frames.astype(np.float64) ** 2, axis=1)) > threshold * (np.max(np.abs(audio)) + 1e-9)
+    loud = np.sqrt(np.mean(frames.astype(np.float64) ** 2, axis=1)) > threshold * (
+        np.max(np.abs(audio)) + 1e-9
+    )
     total = audio.size / SAMPLE_RATE
     out: list[tuple[float, float]] = []
     i = 0
@@ -282,7 +379,7 @@ def word_times(text: str, events: list[tuple[int, int, float]], audio: np.ndarra
 def _trim(audio: np.ndarray, threshold: float = 1e-3) -> tuple[np.ndarray, int]:
     """`audio` without its leading and trailing near-silence, and the index of its first kept sample."""
     idx = np.flatnonzero(np.abs(audio) > threshold)
-    return (audio[idx[0]: idx[-1] + 1], int(idx[0])) if idx.size else (audio, 0)
+    return (audio[idx[0] : idx[-1] + 1], int(idx[0])) if idx.size else (audio, 0)
 
 
 def _colored_noise(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -303,8 +400,9 @@ def augment(audio: np.ndarray, rng: np.random.Generator, strength: float = 1.0) 
     return augment_timed(audio, rng, strength)[0]
 
 
-def augment_timed(audio: np.ndarray, rng: np.random.Generator,
-                  strength: float = 1.0) -> tuple[np.ndarray, float, float]:
+def augment_timed(
+    audio: np.ndarray, rng: np.random.Generator, strength: float = 1.0
+) -> tuple[np.ndarray, float, float]:
     """`augment`, plus how it moved time: a moment t (s) of `audio` is at `offset + scale * t` in the result."""
     trimmed, first = _trim(audio)
     x = trimmed.astype(np.float64)
@@ -322,12 +420,14 @@ def augment_timed(audio: np.ndarray, rng: np.random.Generator,
         rir = rng.standard_normal(n) * np.exp(-6.9 * t / rt60)
         rir[0] = 1.0 / rng.uniform(0.3, 1.0)  # direct path
         rir /= np.sqrt(np.sum(rir**2))
-        x = np.fft.irfft(np.fft.rfft(x, x.size + n) * np.fft.rfft(rir, x.size + n), x.size + n)[: x.size + n // 2]
+        x = np.fft.irfft(np.fft.rfft(x, x.size + n) * np.fft.rfft(rir, x.size + n), x.size + n)[
+            : x.size + n // 2
+        ]
     lead, tail = (int(rng.uniform(0.05, 0.6) * SAMPLE_RATE) for _ in range(2))
     x = np.concatenate([np.zeros(lead), x, np.zeros(tail)])
     if rng.random() < 0.6 * strength:
         snr_db = rng.uniform(5, 40)
-        speech_power = np.mean(x[lead: x.size - tail] ** 2) + 1e-12
+        speech_power = np.mean(x[lead : x.size - tail] ** 2) + 1e-12
         x = x + _colored_noise(rng, x.size) * np.sqrt(speech_power / 10 ** (snr_db / 10))
     if rng.random() < 0.1 * strength:  # telephone band
         x = resample(resample(x.astype(np.float32), SAMPLE_RATE, 8000), 8000, SAMPLE_RATE).astype(np.float64)
@@ -345,13 +445,23 @@ class Example:
     phones: tuple[tuple[str, float, float], ...] | None = None  # espeak phonemes (mnemonic, start, end) s
 
 
-def make_example(speaker: Speaker, sentences: tuple[str, ...], seed: int, index: int,
-                 heldout: bool = False, clean: bool = False, max_words: int = 0,
-                 strength: float = 1.0, easy: bool = False) -> Example:
+def make_example(
+    speaker: Speaker,
+    sentences: tuple[str, ...],
+    seed: int,
+    index: int,
+    heldout: bool = False,
+    clean: bool = False,
+    max_words: int = 0,
+    strength: float = 1.0,
+    easy: bool = False,
+) -> Example:
     """Example `index` of the stream `seed`: a pure function of its arguments. `max_words` and
     `strength` are the curriculum: short sentences and light augmentation first."""
     rng = np.random.default_rng([seed, index, int(heldout)])
-    sentence = sentences[int(rng.integers(len(sentences)))] if not heldout else sentences[index % len(sentences)]
+    sentence = (
+        sentences[int(rng.integers(len(sentences)))] if not heldout else sentences[index % len(sentences)]
+    )
     while max_words and len(sentence.split()) > max_words:
         sentence = sentences[int(rng.integers(len(sentences)))]
     from asr.training.espeak_voice import SynthesisCrash
@@ -373,5 +483,7 @@ def make_example(speaker: Speaker, sentences: tuple[str, ...], seed: int, index:
     else:
         audio, offset, scale = augment_timed(audio, rng, strength)
     moved = None if times is None else tuple((offset + scale * a, offset + scale * b) for a, b in times)
-    moved_phones = None if phones is None else tuple((p, offset + scale * a, offset + scale * b) for p, a, b in phones)
+    moved_phones = (
+        None if phones is None else tuple((p, offset + scale * a, offset + scale * b) for p, a, b in phones)
+    )
     return Example(normalize_text(sentence), audio, spec.name(), moved, moved_phones)

@@ -26,12 +26,21 @@ _INITIALIZE_PHONEME_EVENTS = 0x0001
 class _Event(ctypes.Structure):
     """espeak_EVENT (speak_lib.h): word events carry the word's character span and audio position."""
 
-    _fields_ = [("type", ctypes.c_int), ("unique_identifier", ctypes.c_uint), ("text_position", ctypes.c_int),
-                ("length", ctypes.c_int), ("audio_position", ctypes.c_int), ("sample", ctypes.c_int),
-                ("user_data", ctypes.c_void_p), ("id", ctypes.c_char * 8)]
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("unique_identifier", ctypes.c_uint),
+        ("text_position", ctypes.c_int),
+        ("length", ctypes.c_int),
+        ("audio_position", ctypes.c_int),
+        ("sample", ctypes.c_int),
+        ("user_data", ctypes.c_void_p),
+        ("id", ctypes.c_char * 8),
+    ]
 
 
-_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.POINTER(_Event))
+_CALLBACK = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.POINTER(_Event)
+)
 
 _lock = threading.Lock()
 _instance: EspeakVoice | None = None
@@ -51,8 +60,16 @@ class EspeakVoice:
         lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
         lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        lib.espeak_Synth.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int,
-                                     ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
+        lib.espeak_Synth.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.c_uint,
+            ctypes.c_int,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
         rate = lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, data, _INITIALIZE_PHONEME_EVENTS)
         if rate <= 0:
             raise ModelError(f"espeak-ng failed to initialise (data at {data.decode()})")
@@ -78,14 +95,27 @@ class EspeakVoice:
         self._callback = _CALLBACK(on_audio)  # kept referenced: espeak calls it until the process ends
         lib.espeak_SetSynthCallback(self._callback)
 
-    def synthesize(self, text: str, voice: str = "en-US", rate: int = 175, pitch: int = 50,
-                   pitch_range: int = 50, word_gap: int = 0) -> np.ndarray:
+    def synthesize(
+        self,
+        text: str,
+        voice: str = "en-US",
+        rate: int = 175,
+        pitch: int = 50,
+        pitch_range: int = 50,
+        word_gap: int = 0,
+    ) -> np.ndarray:
         """Speak `text` with `voice` (`lang[+variant]`); rate in words per minute, pitch/range 0..100."""
         return self.synthesize_timed(text, voice, rate, pitch, pitch_range, word_gap)[0]
 
-    def synthesize_timed(self, text: str, voice: str = "en-US", rate: int = 175, pitch: int = 50,
-                         pitch_range: int = 50, word_gap: int = 0
-                         ) -> tuple[np.ndarray, list[tuple[int, int, float]], list[tuple[str, float]]]:
+    def synthesize_timed(
+        self,
+        text: str,
+        voice: str = "en-US",
+        rate: int = 175,
+        pitch: int = 50,
+        pitch_range: int = 50,
+        word_gap: int = 0,
+    ) -> tuple[np.ndarray, list[tuple[int, int, float]], list[tuple[str, float]]]:
         """`synthesize` plus espeak's events, in order: words as (first character index in `text` (0-based),
         length in characters, start time in seconds) and phonemes as (espeak mnemonic, start seconds)."""
         if self._lib.espeak_SetVoiceByName(voice.encode()) != 0:
@@ -162,9 +192,16 @@ class IsolatedEspeak:
         from pathlib import Path
 
         root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        self._proc = subprocess.Popen([sys.executable, "-m", "asr.training.espeak_voice"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, env=env, cwd=root)
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        )
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "asr.training.espeak_voice"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=root,
+        )
         self.sample_rate = self._recv()
 
     def _recv(self):  # noqa: ANN202
@@ -176,8 +213,15 @@ class IsolatedEspeak:
             raise EOFError
         return pickle.loads(self._proc.stdout.read(struct.unpack("<I", head)[0]))
 
-    def synthesize_timed(self, text: str, voice: str = "en-US", rate: int = 175, pitch: int = 50,
-                         pitch_range: int = 50, word_gap: int = 0):  # noqa: ANN201 - as EspeakVoice's
+    def synthesize_timed(
+        self,
+        text: str,
+        voice: str = "en-US",
+        rate: int = 175,
+        pitch: int = 50,
+        pitch_range: int = 50,
+        word_gap: int = 0,
+    ):  # noqa: ANN201 - as EspeakVoice's
         import pickle
         import struct
 
@@ -189,14 +233,23 @@ class IsolatedEspeak:
         except (EOFError, BrokenPipeError, ConnectionResetError):
             code = self._proc.wait(timeout=5)
             self._start()
-            raise SynthesisCrash(f"espeak-ng crashed (exit {code}) saying {text[:40]!r} as {voice} "
-                                 f"(rate {rate}, pitch {pitch}, range {pitch_range}); restarted") from None
+            raise SynthesisCrash(
+                f"espeak-ng crashed (exit {code}) saying {text[:40]!r} as {voice} "
+                f"(rate {rate}, pitch {pitch}, range {pitch_range}); restarted"
+            ) from None
         if status == "error":
             raise value
         return value
 
-    def synthesize(self, text: str, voice: str = "en-US", rate: int = 175, pitch: int = 50,
-                   pitch_range: int = 50, word_gap: int = 0) -> np.ndarray:
+    def synthesize(
+        self,
+        text: str,
+        voice: str = "en-US",
+        rate: int = 175,
+        pitch: int = 50,
+        pitch_range: int = 50,
+        word_gap: int = 0,
+    ) -> np.ndarray:
         return self.synthesize_timed(text, voice, rate, pitch, pitch_range, word_gap)[0]
 
     def close(self) -> None:

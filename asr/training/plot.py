@@ -26,8 +26,11 @@ def parse(paths: list[Path]) -> tuple[dict[int, dict[str, float]], dict[int, dic
     for path in paths:
         for line in path.read_text(errors="replace").splitlines():
             if m := _LOSS.match(line):
-                losses[int(m[1])] = {k: float(v) for k, v in zip(("ctc", "align", "phone"), m.groups()[1:], strict=True)
-                                     if v is not None}
+                losses[int(m[1])] = {
+                    k: float(v)
+                    for k, v in zip(("ctc", "align", "phone"), m.groups()[1:], strict=True)
+                    if v is not None
+                }
             elif m := _WER.match(line):
                 wers[int(m[1])] = {str(k): float(v) for k, v in ast.literal_eval(m[2]).items()}
     return losses, wers

@@ -59,11 +59,86 @@ FRAME_S = 0.08  # encoder frame (8x subsampling of 10 ms features)
 # directly; measured here, the sparse piece targets alone left the model at the pieces' unigram
 # distribution for 800 steps. The head is training-only: it is not part of the exported model.
 # Classes: espeak's English mnemonics (all accents, stress marks dropped), 0 = pause, last = any other.
-PHONES = ("t", "n", "d", "I", "s", "k", "a", "@", "l", "m", "aI", "E", "w", "p", "r", "0", "D", "V", "v", "z",
-          "u:", "eI", "j", "a#", "I2", "b", "oU", "i:", "h", "f", "3", ";", "S", "U", "i", "N", "g", "@2", "dZ",
-          "3:", "@L", "aU", "r-", "A@", "i@", "O@", "T", "tS", "e@", "O:", "o@", "t#", "i@3", "I#", "aI2", "aa",
-          "w#", "O2", "U@", "aI@", "A:", "@5", "t[", "t2", "@-", "VR", "IR", "Z", "OI", "x", "e", "o", "A",
-          "O", "u", "y", "Q", "?")
+PHONES = (
+    "t",
+    "n",
+    "d",
+    "I",
+    "s",
+    "k",
+    "a",
+    "@",
+    "l",
+    "m",
+    "aI",
+    "E",
+    "w",
+    "p",
+    "r",
+    "0",
+    "D",
+    "V",
+    "v",
+    "z",
+    "u:",
+    "eI",
+    "j",
+    "a#",
+    "I2",
+    "b",
+    "oU",
+    "i:",
+    "h",
+    "f",
+    "3",
+    ";",
+    "S",
+    "U",
+    "i",
+    "N",
+    "g",
+    "@2",
+    "dZ",
+    "3:",
+    "@L",
+    "aU",
+    "r-",
+    "A@",
+    "i@",
+    "O@",
+    "T",
+    "tS",
+    "e@",
+    "O:",
+    "o@",
+    "t#",
+    "i@3",
+    "I#",
+    "aI2",
+    "aa",
+    "w#",
+    "O2",
+    "U@",
+    "aI@",
+    "A:",
+    "@5",
+    "t[",
+    "t2",
+    "@-",
+    "VR",
+    "IR",
+    "Z",
+    "OI",
+    "x",
+    "e",
+    "o",
+    "A",
+    "O",
+    "u",
+    "y",
+    "Q",
+    "?",
+)
 _PHONE_INDEX = {name: i + 1 for i, name in enumerate(PHONES)}
 PHONE_CLASSES = len(PHONES) + 2
 
@@ -75,8 +150,9 @@ def align_weight(step: int) -> float:
     return ALIGN_WEIGHT + done * (ALIGN_FLOOR - ALIGN_WEIGHT)
 
 
-def alignment_targets(pieces: list[list[str]], word_times: list, n_frames: list[int], blank: int,
-                      ids: list[list[int]]) -> torch.Tensor:
+def alignment_targets(
+    pieces: list[list[str]], word_times: list, n_frames: list[int], blank: int, ids: list[list[int]]
+) -> torch.Tensor:
     """Frame targets (batch, max frames) for the alignment loss: example b's pieces `ids[b]` (SentencePiece
     `pieces[b]`, a word starts at a '▁' piece) placed over its words' (start, end) seconds, each piece at the
     frame where its share of the word's letters ends, later pieces pushed one frame on where they collide;
@@ -162,18 +238,37 @@ class BatchStream(torch.utils.data.Dataset):
         n = self.batch_size * POOL
         index = (self.first + p) * n
         max_words, strength, easy = curriculum((self.first + p) * POOL)
-        examples = sorted((make_example(self.speaker, train, self.seed, index + i, max_words=max_words,
-                                        strength=strength, easy=easy) for i in range(n)),
-                          key=lambda e: e.audio.size)
+        examples = sorted(
+            (
+                make_example(
+                    self.speaker,
+                    train,
+                    self.seed,
+                    index + i,
+                    max_words=max_words,
+                    strength=strength,
+                    easy=easy,
+                )
+                for i in range(n)
+            ),
+            key=lambda e: e.audio.size,
+        )
         batches = []
         for b in range(POOL):
-            part = examples[b * self.batch_size: (b + 1) * self.batch_size]
+            part = examples[b * self.batch_size : (b + 1) * self.batch_size]
             lengths = [e.audio.size for e in part]
             audio = torch.zeros(len(part), max(lengths))
             for i, e in enumerate(part):
                 audio[i, : e.audio.size] = torch.from_numpy(e.audio)
-            batches.append((audio, torch.tensor(lengths), [e.text for e in part], [e.word_times for e in part],
-                            [e.phones for e in part]))
+            batches.append(
+                (
+                    audio,
+                    torch.tensor(lengths),
+                    [e.text for e in part],
+                    [e.word_times for e in part],
+                    [e.phones for e in part],
+                )
+            )
         order = np.random.default_rng([self.seed, self.first + p]).permutation(POOL)
         return [batches[i] for i in order]
 
@@ -215,7 +310,7 @@ def evaluate(model, examples: list, att_context_size: list[int]) -> float:
     model.encoder.set_default_att_context_size(att_context_size)
     errors = words = 0
     for i in range(0, len(examples), 16):
-        chunk = examples[i: i + 16]
+        chunk = examples[i : i + 16]
         lengths = [e.audio.size for e in chunk]
         audio = torch.zeros(len(chunk), max(lengths))
         for j, e in enumerate(chunk):
@@ -271,8 +366,12 @@ def init_run(nemo: Path, run: Path) -> dict:
     step = int(info["step"])
     meta = {k: info[k] for k in ("d_model", "layers", "vocab", "seed", "batch_size")}
     last = info.get("last_validation")
-    meta.update(audio_s=float(info.get("audio_s", 0.0)), history=[last] if last else [], restart_step=step,
-                init_from=str(nemo))
+    meta.update(
+        audio_s=float(info.get("audio_s", 0.0)),
+        history=[last] if last else [],
+        restart_step=step,
+        init_from=str(nemo),
+    )
     (run / "run.json").write_text(json.dumps(meta, indent=1))
     torch.save({"model": state, "step": step}, run / "last.pt")
     print(f"initialised {run} from {nemo} at step {step} (fresh optimiser)", flush=True)
@@ -289,15 +388,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=400)
     ap.add_argument("--d-model", type=int, default=176)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=1024, help="BPE size: at 8x subsampling (12.5 frames/s) 256 pieces give ~2.7 per word, too many for CTC at fast speech")
+    ap.add_argument(
+        "--vocab",
+        type=int,
+        default=1024,
+        help="BPE size: at 8x subsampling (12.5 frames/s) 256 pieces give ~2.7 per word, too many for CTC at fast speech",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--val", type=int, default=96, help="held-out examples scored at each checkpoint")
     ap.add_argument("--every", type=int, default=200, help="checkpoint and validate every N steps")
-    ap.add_argument("--export", nargs="?", const=str(SHIPPED), default=None,
-                    help="write the run's model as a .nemo (default asr/weights/fc_small.nemo) and exit")
-    ap.add_argument("--init", type=Path, default=None,
-                    help="start a new run from a shipped .nemo and its .json (e.g. asr/weights/fc_small.nemo)")
+    ap.add_argument(
+        "--export",
+        nargs="?",
+        const=str(SHIPPED),
+        default=None,
+        help="write the run's model as a .nemo (default asr/weights/fc_small.nemo) and exit",
+    )
+    ap.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        help="start a new run from a shipped .nemo and its .json (e.g. asr/weights/fc_small.nemo)",
+    )
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -315,9 +428,18 @@ def main(argv: list[str] | None = None) -> int:
         train, _ = corpus()
         train_tokenizer([normalize_text(s) for s in train], tok_dir, args.vocab)
     meta_path = run / "run.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {
-        "d_model": args.d_model, "layers": args.layers, "vocab": args.vocab, "seed": args.seed,
-        "batch_size": args.batch_size, "history": []}
+    meta = (
+        json.loads(meta_path.read_text())
+        if meta_path.exists()
+        else {
+            "d_model": args.d_model,
+            "layers": args.layers,
+            "vocab": args.vocab,
+            "seed": args.seed,
+            "batch_size": args.batch_size,
+            "history": [],
+        }
+    )
     torch.manual_seed(meta["seed"])
     cfg = model_config(tok_dir.resolve(), d_model=meta["d_model"], n_layers=meta["layers"])
     model = build_model(cfg)
@@ -340,9 +462,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resumed at step {step}", flush=True)
 
     def save() -> None:
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "phone_head": phone_head.state_dict(), "phone_opt": phone_opt.state_dict()},
-                   str(ckpt_path) + ".tmp")
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "phone_head": phone_head.state_dict(),
+                "phone_opt": phone_opt.state_dict(),
+            },
+            str(ckpt_path) + ".tmp",
+        )
         os.replace(str(ckpt_path) + ".tmp", ckpt_path)
         meta_path.write_text(json.dumps(meta, indent=1))
 
@@ -352,10 +481,13 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         model.save_to(str(out))
         info = {k: v for k, v in meta.items() if k != "history"}
-        info.update(step=step, audio_hours=round(meta.get("audio_s", 0) / 3600, 2),
-                    params=sum(p.numel() for p in model.parameters()),
-                    last_validation=meta["history"][-1] if meta["history"] else None,
-                    recipe="python -m asr.training.train_streaming (asr/training/data.py for data)")
+        info.update(
+            step=step,
+            audio_hours=round(meta.get("audio_s", 0) / 3600, 2),
+            params=sum(p.numel() for p in model.parameters()),
+            last_validation=meta["history"][-1] if meta["history"] else None,
+            recipe="python -m asr.training.train_streaming (asr/training/data.py for data)",
+        )
         out.with_suffix(".json").write_text(json.dumps(info, indent=1) + "\n")
         print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) at step {step}")
         return 0
@@ -363,8 +495,14 @@ def main(argv: list[str] | None = None) -> int:
     val = validation_set(args.val)
     batch_size = meta["batch_size"]
     loader = torch.utils.data.DataLoader(
-        BatchStream(meta["seed"], batch_size, step // POOL), batch_size=None, shuffle=False, num_workers=1,
-        prefetch_factor=2, persistent_workers=False, worker_init_fn=_ignore_stop_signals)
+        BatchStream(meta["seed"], batch_size, step // POOL),
+        batch_size=None,
+        shuffle=False,
+        num_workers=1,
+        prefetch_factor=2,
+        persistent_workers=False,
+        worker_init_fn=_ignore_stop_signals,
+    )
     model.train()
     spec_augment = model.spec_augmentation
     deadline = time.monotonic() + args.minutes * 60
@@ -395,25 +533,42 @@ def main(argv: list[str] | None = None) -> int:
             feats = model.spec_augmentation(input_spec=feats, length=feat_lengths)
         encoded, el = model.encoder(audio_signal=feats, length=feat_lengths)
         lp = model.decoder(encoder_output=encoded)
-        ctc = model.loss(log_probs=lp, targets=targets.to(device), input_lengths=el,
-                         target_lengths=torch.tensor([len(t) for t in tokens], device=device))
+        ctc = model.loss(
+            log_probs=lp,
+            targets=targets.to(device),
+            input_lengths=el,
+            target_lengths=torch.tensor([len(t) for t in tokens], device=device),
+        )
         loss = ctc
         weight = align_weight(step + 1)
         if weight > 0:
-            frames = alignment_targets([model.tokenizer.ids_to_tokens(t) for t in tokens], times, el.tolist(),
-                                       lp.shape[-1] - 1, tokens).to(device)
+            frames = alignment_targets(
+                [model.tokenizer.ids_to_tokens(t) for t in tokens],
+                times,
+                el.tolist(),
+                lp.shape[-1] - 1,
+                tokens,
+            ).to(device)
             aligned = int((frames[:, 0] != -100).sum())
             if aligned:  # summed over an example's frames, averaged over examples: CTC's scale
-                align = torch.nn.functional.nll_loss(lp[:, : frames.shape[1]].transpose(1, 2), frames,
-                                                     ignore_index=-100, reduction="sum") / aligned
+                align = (
+                    torch.nn.functional.nll_loss(
+                        lp[:, : frames.shape[1]].transpose(1, 2), frames, ignore_index=-100, reduction="sum"
+                    )
+                    / aligned
+                )
                 loss = loss + weight * align
                 align_losses.append(float(align.detach()))
             labels = phone_targets(phones, el.tolist()).to(device)
             labelled = int((labels[:, 0] != -100).sum())
             if labelled:
                 logits = phone_head(encoded[:, :, : labels.shape[1]].transpose(1, 2))
-                phone = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100,
-                                                          reduction="sum") / labelled
+                phone = (
+                    torch.nn.functional.cross_entropy(
+                        logits.transpose(1, 2), labels, ignore_index=-100, reduction="sum"
+                    )
+                    / labelled
+                )
                 loss = loss + weight * phone
                 phone_losses.append(float(phone.detach()))
         opt.zero_grad(set_to_none=True)
@@ -429,8 +584,11 @@ def main(argv: list[str] | None = None) -> int:
             now = time.monotonic()
             align_text = f" align {np.mean(align_losses):.2f}" if align_losses else ""
             align_text += f" phone {np.mean(phone_losses):.2f}" if phone_losses else ""
-            print(f"step {step} ctc {np.mean(losses):.3f}{align_text} lr {opt.param_groups[0]['lr']:.2e} "
-                  f"{(now - t_last) / 20:.2f} s/step audio {meta['audio_s'] / 3600:.2f} h", flush=True)
+            print(
+                f"step {step} ctc {np.mean(losses):.3f}{align_text} lr {opt.param_groups[0]['lr']:.2e} "
+                f"{(now - t_last) / 20:.2f} s/step audio {meta['audio_s'] / 3600:.2f} h",
+                flush=True,
+            )
             t_last, losses, align_losses, phone_losses = now, [], [], []
         if step % args.every == 0:
             wers = {str(ctx[1]): round(evaluate(model, val, ctx), 4) for ctx in (ATT_CONTEXT_SIZES[1],)}

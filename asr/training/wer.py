@@ -34,8 +34,11 @@ def matched_words(reference: list[str], hypothesis: list[str]) -> list[tuple[int
             if i == 0 or j == 0:
                 cost[i][j] = i + j
             else:
-                cost[i][j] = min(cost[i - 1][j] + 1, cost[i][j - 1] + 1,
-                                 cost[i - 1][j - 1] + (reference[i - 1] != hypothesis[j - 1]))
+                cost[i][j] = min(
+                    cost[i - 1][j] + 1,
+                    cost[i][j - 1] + 1,
+                    cost[i - 1][j - 1] + (reference[i - 1] != hypothesis[j - 1]),
+                )
     pairs, i, j = [], n, m
     while i > 0 and j > 0:
         if reference[i - 1] == hypothesis[j - 1] and cost[i][j] == cost[i - 1][j - 1]:

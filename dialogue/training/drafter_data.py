@@ -47,81 +47,300 @@ MORE_FILLS = 60
 
 #: caller requests on topics and in phrasings the verifier's templates do not have (train only)
 EXTRA_TEMPLATES: list[tuple[str, dict[str, list[str]]]] = [
-    ("Hey can you tell me {what}", {
-        "what": ["how to make coffee without a machine", "when the bank closes", "a good movie to watch tonight",
-                 "what I should wear for an interview", "how far Mars is", "how to say hello in Korean",
-                 "why leaves change color", "how many calories are in an apple", "who invented the internet",
-                 "what the tallest building is", "how to fix a dripping faucet", "the rules of chess",
-                 "a fun thing to do this weekend", "how to make a paper plane", "what time it is in Tokyo"]}),
-    ("I'm trying to {goal} {detail}", {
-        "goal": ["find a cheap hotel", "get to the museum", "cook dinner for six", "learn to code",
-                 "fix my bike", "write a birthday card", "pay my water bill", "sleep better"],
-        "detail": ["any ideas", "where do I start", "can you help", "but I'm stuck", "what would you do"]}),
-    ("My {person} {event} {ask}", {
-        "person": ["son", "wife", "best friend", "neighbor", "boss", "grandmother", "cat", "dog"],
-        "event": ["has a birthday next week", "is sick", "just got a new job", "is moving away", "won't eat",
-                  "is feeling down"],
-        "ask": ["what should I do", "any advice", "what can I get them", "how can I help"]}),
-    ("Do I need {thing} to {goal}", {
-        "thing": ["a visa", "a license", "an appointment", "a passport", "insurance", "a reservation", "cash"],
-        "goal": ["travel to Canada", "drive a boat", "see a specialist", "rent a car", "visit the museum",
-                 "go fishing", "park downtown"]}),
-    ("What happens if I {action}", {
-        "action": ["miss a payment", "forget my password", "lose my boarding pass", "cancel late",
-                   "eat expired yogurt", "leave the oven on", "skip breakfast", "don't renew my passport",
-                   "drink too much coffee", "overdraw my account", "miss my connecting flight"]}),
-    ("Can you give me {what} for {topic}", {
-        "what": ["a tip", "some ideas", "a quick summary", "a recipe", "advice", "a recommendation"],
-        "topic": ["saving money", "a picnic", "staying focused", "a rainy afternoon", "a long flight",
-                  "meeting new people", "studying for exams", "a small garden"]}),
-    ("How often should I {task}", {
-        "task": ["water my cactus", "change my car oil", "wash my sheets", "go to the dentist", "exercise",
-                 "replace my toothbrush", "check my tire pressure", "back up my computer", "feed my fish",
-                 "update my phone", "clean my fridge", "get a haircut"]}),
-    ("Is it {adj} to {thing} {when}", {
-        "adj": ["okay", "normal", "a good idea", "too late", "rude", "expensive"],
-        "thing": ["call a restaurant", "visit Paris", "buy a house", "start running", "ask for a raise",
-                  "book flights", "text my landlord"],
-        "when": ["now", "in winter", "at night", "this year", "on a Sunday", "after six"]}),
-    ("Where can I {action}", {
-        "action": ["buy stamps", "recycle old batteries", "watch the game tonight", "get a flu shot",
-                   "find a good pizza", "charge my phone", "print documents", "rent a bike", "donate clothes",
-                   "learn to dance", "get my keys copied", "park for free"]}),
-    ("Thanks for {thing} {more}", {
-        "thing": ["your help", "the tip", "explaining that", "waiting", "the recommendation", "checking"],
-        "more": ["", "that's great", "you're the best", "one more question", "have a nice day", "bye"]}),
-    ("Sorry I {problem} {ask}", {
-        "problem": ["missed that", "didn't catch the last part", "got cut off", "was distracted",
-                    "dropped my phone"],
-        "ask": ["", "can you say it again", "what was the price", "where was that", "could you repeat"]}),
-    ("Why does {thing} {happen}", {
-        "thing": ["my milk", "bread", "the sky", "my laptop", "my dog", "the moon", "ice", "my voice"],
-        "happen": ["go bad so fast", "get moldy", "look red at sunset", "get hot", "bark at night",
-                   "change shape", "float", "sound different on recordings"]}),
-    ("I just {event} {ask}", {
-        "event": ["moved to a new city", "finished my exams", "adopted a puppy", "lost my job", "got engaged",
-                  "bought a car", "started a diet", "came back from vacation"],
-        "ask": ["", "any tips", "what should I do first", "I'm so excited", "I'm a bit worried"]}),
-    ("Okay and {what}", {
-        "what": ["how much is that", "when does it open", "what about tomorrow", "is there parking",
-                 "can I pay by card", "how long will it take", "do I need to bring anything",
-                 "what's the address", "who should I ask for", "is it far from here"]}),
-    ("Give me {n} {things}", {
-        "n": ["two", "three", "a few", "some"],
-        "things": ["names for a cat", "reasons to learn French", "easy dinner ideas", "fun facts about space",
-                   "ways to relax", "gift ideas for a teacher", "words that rhyme with blue"]}),
-    ("Could you {verb} {what} please", {
-        "verb": ["explain", "repeat", "spell", "summarize", "check"],
-        "what": ["that", "the last part", "my order number", "the opening hours", "the total",
-                 "the instructions", "your name"]}),
-    ("What's a good {thing} for {who}", {
-        "thing": ["gift", "name", "snack", "hobby", "book", "game", "pet"],
-        "who": ["a ten year old", "my mom", "a coworker", "someone who loves cooking", "a small apartment",
-                "a long car ride", "a retired teacher"]}),
-    ("Is {thing} {adj}", {
-        "thing": ["coffee", "chocolate", "running every day", "the tap water here", "this weather",
-                  "a four day work week", "eating late at night", "bitcoin"],
-        "adj": ["healthy", "bad for you", "safe", "normal", "worth it", "a good idea"]}),
+    (
+        "Hey can you tell me {what}",
+        {
+            "what": [
+                "how to make coffee without a machine",
+                "when the bank closes",
+                "a good movie to watch tonight",
+                "what I should wear for an interview",
+                "how far Mars is",
+                "how to say hello in Korean",
+                "why leaves change color",
+                "how many calories are in an apple",
+                "who invented the internet",
+                "what the tallest building is",
+                "how to fix a dripping faucet",
+                "the rules of chess",
+                "a fun thing to do this weekend",
+                "how to make a paper plane",
+                "what time it is in Tokyo",
+            ]
+        },
+    ),
+    (
+        "I'm trying to {goal} {detail}",
+        {
+            "goal": [
+                "find a cheap hotel",
+                "get to the museum",
+                "cook dinner for six",
+                "learn to code",
+                "fix my bike",
+                "write a birthday card",
+                "pay my water bill",
+                "sleep better",
+            ],
+            "detail": ["any ideas", "where do I start", "can you help", "but I'm stuck", "what would you do"],
+        },
+    ),
+    (
+        "My {person} {event} {ask}",
+        {
+            "person": ["son", "wife", "best friend", "neighbor", "boss", "grandmother", "cat", "dog"],
+            "event": [
+                "has a birthday next week",
+                "is sick",
+                "just got a new job",
+                "is moving away",
+                "won't eat",
+                "is feeling down",
+            ],
+            "ask": ["what should I do", "any advice", "what can I get them", "how can I help"],
+        },
+    ),
+    (
+        "Do I need {thing} to {goal}",
+        {
+            "thing": [
+                "a visa",
+                "a license",
+                "an appointment",
+                "a passport",
+                "insurance",
+                "a reservation",
+                "cash",
+            ],
+            "goal": [
+                "travel to Canada",
+                "drive a boat",
+                "see a specialist",
+                "rent a car",
+                "visit the museum",
+                "go fishing",
+                "park downtown",
+            ],
+        },
+    ),
+    (
+        "What happens if I {action}",
+        {
+            "action": [
+                "miss a payment",
+                "forget my password",
+                "lose my boarding pass",
+                "cancel late",
+                "eat expired yogurt",
+                "leave the oven on",
+                "skip breakfast",
+                "don't renew my passport",
+                "drink too much coffee",
+                "overdraw my account",
+                "miss my connecting flight",
+            ]
+        },
+    ),
+    (
+        "Can you give me {what} for {topic}",
+        {
+            "what": ["a tip", "some ideas", "a quick summary", "a recipe", "advice", "a recommendation"],
+            "topic": [
+                "saving money",
+                "a picnic",
+                "staying focused",
+                "a rainy afternoon",
+                "a long flight",
+                "meeting new people",
+                "studying for exams",
+                "a small garden",
+            ],
+        },
+    ),
+    (
+        "How often should I {task}",
+        {
+            "task": [
+                "water my cactus",
+                "change my car oil",
+                "wash my sheets",
+                "go to the dentist",
+                "exercise",
+                "replace my toothbrush",
+                "check my tire pressure",
+                "back up my computer",
+                "feed my fish",
+                "update my phone",
+                "clean my fridge",
+                "get a haircut",
+            ]
+        },
+    ),
+    (
+        "Is it {adj} to {thing} {when}",
+        {
+            "adj": ["okay", "normal", "a good idea", "too late", "rude", "expensive"],
+            "thing": [
+                "call a restaurant",
+                "visit Paris",
+                "buy a house",
+                "start running",
+                "ask for a raise",
+                "book flights",
+                "text my landlord",
+            ],
+            "when": ["now", "in winter", "at night", "this year", "on a Sunday", "after six"],
+        },
+    ),
+    (
+        "Where can I {action}",
+        {
+            "action": [
+                "buy stamps",
+                "recycle old batteries",
+                "watch the game tonight",
+                "get a flu shot",
+                "find a good pizza",
+                "charge my phone",
+                "print documents",
+                "rent a bike",
+                "donate clothes",
+                "learn to dance",
+                "get my keys copied",
+                "park for free",
+            ]
+        },
+    ),
+    (
+        "Thanks for {thing} {more}",
+        {
+            "thing": ["your help", "the tip", "explaining that", "waiting", "the recommendation", "checking"],
+            "more": ["", "that's great", "you're the best", "one more question", "have a nice day", "bye"],
+        },
+    ),
+    (
+        "Sorry I {problem} {ask}",
+        {
+            "problem": [
+                "missed that",
+                "didn't catch the last part",
+                "got cut off",
+                "was distracted",
+                "dropped my phone",
+            ],
+            "ask": ["", "can you say it again", "what was the price", "where was that", "could you repeat"],
+        },
+    ),
+    (
+        "Why does {thing} {happen}",
+        {
+            "thing": ["my milk", "bread", "the sky", "my laptop", "my dog", "the moon", "ice", "my voice"],
+            "happen": [
+                "go bad so fast",
+                "get moldy",
+                "look red at sunset",
+                "get hot",
+                "bark at night",
+                "change shape",
+                "float",
+                "sound different on recordings",
+            ],
+        },
+    ),
+    (
+        "I just {event} {ask}",
+        {
+            "event": [
+                "moved to a new city",
+                "finished my exams",
+                "adopted a puppy",
+                "lost my job",
+                "got engaged",
+                "bought a car",
+                "started a diet",
+                "came back from vacation",
+            ],
+            "ask": ["", "any tips", "what should I do first", "I'm so excited", "I'm a bit worried"],
+        },
+    ),
+    (
+        "Okay and {what}",
+        {
+            "what": [
+                "how much is that",
+                "when does it open",
+                "what about tomorrow",
+                "is there parking",
+                "can I pay by card",
+                "how long will it take",
+                "do I need to bring anything",
+                "what's the address",
+                "who should I ask for",
+                "is it far from here",
+            ]
+        },
+    ),
+    (
+        "Give me {n} {things}",
+        {
+            "n": ["two", "three", "a few", "some"],
+            "things": [
+                "names for a cat",
+                "reasons to learn French",
+                "easy dinner ideas",
+                "fun facts about space",
+                "ways to relax",
+                "gift ideas for a teacher",
+                "words that rhyme with blue",
+            ],
+        },
+    ),
+    (
+        "Could you {verb} {what} please",
+        {
+            "verb": ["explain", "repeat", "spell", "summarize", "check"],
+            "what": [
+                "that",
+                "the last part",
+                "my order number",
+                "the opening hours",
+                "the total",
+                "the instructions",
+                "your name",
+            ],
+        },
+    ),
+    (
+        "What's a good {thing} for {who}",
+        {
+            "thing": ["gift", "name", "snack", "hobby", "book", "game", "pet"],
+            "who": [
+                "a ten year old",
+                "my mom",
+                "a coworker",
+                "someone who loves cooking",
+                "a small apartment",
+                "a long car ride",
+                "a retired teacher",
+            ],
+        },
+    ),
+    (
+        "Is {thing} {adj}",
+        {
+            "thing": [
+                "coffee",
+                "chocolate",
+                "running every day",
+                "the tap water here",
+                "this weather",
+                "a four day work week",
+                "eating late at night",
+                "bitcoin",
+            ],
+            "adj": ["healthy", "bad for you", "safe", "normal", "worth it", "a good idea"],
+        },
+    ),
 ]
 
 
@@ -208,10 +427,12 @@ def drafter_prompts(seed: int = 0, multi: bool = True) -> list[DraftPrompt]:
             group_split[base[i].group] = split
     train_groups = {g for g, s in group_split.items() if s == "train"}
     train_families = sorted(int(g.split(":")[1]) for g in train_groups if g.startswith("tpl:"))
-    extra = (RP.fill_templates(RP.TEMPLATES, train_families, MORE_FILLS, seed + 1, source="tpl")
-             + _assistant_lines_as_turns(train_groups)
-             + _generated_lines()
-             + RP.fill_templates(EXTRA_TEMPLATES, range(len(EXTRA_TEMPLATES)), 40, seed + 2, "extra", "extra"))
+    extra = (
+        RP.fill_templates(RP.TEMPLATES, train_families, MORE_FILLS, seed + 1, source="tpl")
+        + _assistant_lines_as_turns(train_groups)
+        + _generated_lines()
+        + RP.fill_templates(EXTRA_TEMPLATES, range(len(EXTRA_TEMPLATES)), 40, seed + 2, "extra", "extra")
+    )
     heldout_texts = {dp.prompt.text.lower() for dp in out.values() if dp.split != "train"}
     for p in extra:
         dp = DraftPrompt(p, "train")
@@ -249,7 +470,7 @@ def slow_answer(slow: Any, ids: Sequence[int], max_tokens: int = TARGET_TOKENS) 
     ended = False
     try:
         with torch.inference_mode():
-            step = list(ids[cache.get_seq_length():])
+            step = list(ids[cache.get_seq_length() :])
             while len(out) < max_tokens:
                 h = decoder_hidden(slow.model, step, cache)[:, -1]
                 tok = int(torch.argmax(slow.model.lm_head(h)[0]))
@@ -275,8 +496,12 @@ def load_slow_model(progress: bool = True) -> tuple[Any, str]:
     return RF.WarmModel(model, tok, system, str(dict(llm.weights).get("name", "llm"))), system
 
 
-def generate_targets(prompts: Sequence[DraftPrompt], path: Path = TARGETS_FILE, progress: bool = True,
-                     limit_s: float | None = None) -> int:
+def generate_targets(
+    prompts: Sequence[DraftPrompt],
+    path: Path = TARGETS_FILE,
+    progress: bool = True,
+    limit_s: float | None = None,
+) -> int:
     """Make the missing targets (appending to `path`); returns how many were made."""
     from tqdm import tqdm
 
@@ -295,9 +520,17 @@ def generate_targets(prompts: Sequence[DraftPrompt], path: Path = TARGETS_FILE, 
             p = dp.prompt
             ids = V.chat_ids(tok, system, p.messages(), p.text)
             toks, ended = slow_answer(slow, ids)
-            row = {"key": dp.key, "split": dp.split, "group": p.group, "source": p.source,
-                   "history": [list(h) for h in p.history], "text": p.text,
-                   "answer": tok.decode(toks, skip_special_tokens=True), "ended": ended, "n_tokens": len(toks)}
+            row = {
+                "key": dp.key,
+                "split": dp.split,
+                "group": p.group,
+                "source": p.source,
+                "history": [list(h) for h in p.history],
+                "text": p.text,
+                "answer": tok.decode(toks, skip_special_tokens=True),
+                "ended": ended,
+                "n_tokens": len(toks),
+            }
             f.write(json.dumps(row) + "\n")
             f.flush()
             made += 1
@@ -311,7 +544,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    ap = argparse.ArgumentParser(prog="python -m dialogue.training.drafter_data", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m dialogue.training.drafter_data", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--minutes", type=float, default=None, help="stop after this long (rerun resumes)")
     ap.add_argument("--stats", action="store_true", help="only count prompts per split and source")

@@ -52,8 +52,13 @@ def voice_for(text: str, seed: int = 0) -> Any:
     return random_voice(rng, easy=True)
 
 
-def transcribe_all(texts: Sequence[str], path: Path = HEARD_FILE, seed: int = 0, progress: bool = True,
-                   limit_s: float | None = None) -> int:
+def transcribe_all(
+    texts: Sequence[str],
+    path: Path = HEARD_FILE,
+    seed: int = 0,
+    progress: bool = True,
+    limit_s: float | None = None,
+) -> int:
     """Speak and transcribe the texts not yet in `path`; append each row as it is made. Returns rows added."""
     from tqdm.auto import tqdm
 
@@ -87,25 +92,35 @@ def transcribe_all(texts: Sequence[str], path: Path = HEARD_FILE, seed: int = 0,
 
 def main(argv: Sequence[str] | None = None) -> int:
 
-    ap = argparse.ArgumentParser(prog="python -m dialogue.training.heard_turns", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m dialogue.training.heard_turns", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--splits", default=",".join(SPLIT_ORDER), help="splits to transcribe, in this order")
     ap.add_argument("--limit", type=int, default=None, help="at most N texts per split (quick runs)")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this long (rerun to go on)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    splits = D.split_examples(D.build_examples(seed=args.seed, progress=not args.no_progress, heard=False), args.seed)
+    splits = D.split_examples(
+        D.build_examples(seed=args.seed, progress=not args.no_progress, heard=False), args.seed
+    )
     texts: list[str] = []
     for name in args.splits.split(","):
         mine = [str(e["text"]) for e in splits[name.strip()] if e.get("head") == "turn"]
         texts += mine[: args.limit] if args.limit else mine
     t0 = time.time()
-    n = transcribe_all(texts, seed=args.seed, progress=not args.no_progress,
-                       limit_s=None if args.minutes is None else 60 * args.minutes)
+    n = transcribe_all(
+        texts,
+        seed=args.seed,
+        progress=not args.no_progress,
+        limit_s=None if args.minutes is None else 60 * args.minutes,
+    )
     heard = read_heard()
     left = sum(1 for t in dict.fromkeys(texts) if t not in heard)
-    print(f"transcribed {n} texts in {time.time() - t0:.0f} s; {len(heard)} in {HEARD_FILE.name}, {left} left",
-          file=sys.stderr)
+    print(
+        f"transcribed {n} texts in {time.time() - t0:.0f} s; {len(heard)} in {HEARD_FILE.name}, {left} left",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -40,7 +40,7 @@ import torch
 
 JUDGE_SYSTEM = "You grade the replies of a friendly voice assistant on a phone call. You are strict and fair."
 JUDGE_PROMPT = (
-    "{context}The caller said: \"{text}\"\nThe assistant replied: \"{answer}\"\n\n"
+    '{context}The caller said: "{text}"\nThe assistant replied: "{answer}"\n\n'
     "Rate the reply from 1 (wrong, off-topic, broken or rambling) to 9 (correct, helpful, natural and short). "
     "Answer with a single digit."
 )
@@ -50,7 +50,9 @@ NEUTRAL_TEXT = "Hello."
 
 def context_lines(history: Sequence[dict[str, str]]) -> str:
     """The last four turns of the call, as the rating prompt shows them."""
-    context = "".join(f"{'Caller' if m['role'] == 'user' else 'Assistant'}: {m['content']}\n" for m in history[-4:])
+    context = "".join(
+        f"{'Caller' if m['role'] == 'user' else 'Assistant'}: {m['content']}\n" for m in history[-4:]
+    )
     return f"Earlier in the call:\n{context}\n" if context else ""
 
 
@@ -66,8 +68,9 @@ class RatingJudge:
 
         content = JUDGE_PROMPT.format(context=context_lines(history), text=text, answer=answer or "(silence)")
         msgs = [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": content}]
-        ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True)["input_ids"]
+        ids = self.tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         with torch.inference_mode():
             logits = self.model.lm_head(decoder_hidden(self.model, list(ids))[:, -1])[0].float()
         p = torch.softmax(logits[self.digits], dim=-1)
@@ -111,10 +114,17 @@ class LikelihoodJudge:
     def __init__(self, model: Any, tokenizer: Any, system_prompt: str, neutral: str = NEUTRAL_TEXT) -> None:
         from dialogue.llm import stop_token_ids
 
-        self.model, self.tokenizer, self.system_prompt, self.neutral = model, tokenizer, system_prompt, neutral
+        self.model, self.tokenizer, self.system_prompt, self.neutral = (
+            model,
+            tokenizer,
+            system_prompt,
+            neutral,
+        )
         self.stop = sorted(stop_token_ids(tokenizer))
 
-    def _answer_logprobs(self, ctx: Sequence[int], answers: Sequence[list[int]]) -> list[tuple[torch.Tensor, float]]:
+    def _answer_logprobs(
+        self, ctx: Sequence[int], answers: Sequence[list[int]]
+    ) -> list[tuple[torch.Tensor, float]]:
         """For each answer: log-probabilities of its tokens after `ctx`, and log P(stop) after it."""
         from transformers import DynamicCache
 
@@ -127,21 +137,31 @@ class LikelihoodJudge:
         with torch.inference_mode():
             last = decoder_hidden(model, list(ctx), cache)[:, -1:]
             for ids in answers:
-                hidden = last if not ids else torch.cat([last, decoder_hidden(model, ids, cache, len(ctx))], dim=1)
+                hidden = (
+                    last if not ids else torch.cat([last, decoder_hidden(model, ids, cache, len(ctx))], dim=1)
+                )
                 crop_to(cache, len(ctx))
                 logp = torch.log_softmax(model.lm_head(hidden[0]).float(), dim=-1)
-                tokens = logp[torch.arange(len(ids)), torch.tensor(ids, dtype=torch.long)] if ids else logp[:0, 0]
+                tokens = (
+                    logp[torch.arange(len(ids)), torch.tensor(ids, dtype=torch.long)] if ids else logp[:0, 0]
+                )
                 out.append((tokens, float(torch.logsumexp(logp[-1, self.stop], dim=0))))
         return out
 
-    def score(self, history: Sequence[dict[str, str]], text: str, answers: Sequence[str]) -> list[LikelihoodScore]:
+    def score(
+        self, history: Sequence[dict[str, str]], text: str, answers: Sequence[str]
+    ) -> list[LikelihoodScore]:
         from dialogue.verifier import chat_ids
 
         ids = [list(self.tokenizer.encode(a.strip(), add_special_tokens=False)) for a in answers]
         real = self._answer_logprobs(chat_ids(self.tokenizer, self.system_prompt, history, text), ids)
-        neutral = self._answer_logprobs(chat_ids(self.tokenizer, self.system_prompt, history, self.neutral), ids)
-        return [LikelihoodScore(len(i), float(r[0].sum()), float(n[0].sum()), r[1])
-                for i, r, n in zip(ids, real, neutral, strict=True)]
+        neutral = self._answer_logprobs(
+            chat_ids(self.tokenizer, self.system_prompt, history, self.neutral), ids
+        )
+        return [
+            LikelihoodScore(len(i), float(r[0].sum()), float(n[0].sum()), r[1])
+            for i, r, n in zip(ids, real, neutral, strict=True)
+        ]
 
 
 def validity(good: Sequence[float], bad: Sequence[float]) -> dict[str, float]:
@@ -155,7 +175,9 @@ def validity(good: Sequence[float], bad: Sequence[float]) -> dict[str, float]:
     return {
         "n": n,
         "auroc": auroc(list(good) + list(bad), [1] * n + [0] * len(bad)),
-        "paired_wins": sum((g > b) + 0.5 * (g == b) for g, b in zip(good, bad, strict=True)) / n if n else float("nan"),
+        "paired_wins": sum((g > b) + 0.5 * (g == b) for g, b in zip(good, bad, strict=True)) / n
+        if n
+        else float("nan"),
         "bad_ratio": (sum(bad) / n) / mean_good if n and mean_good else float("nan"),
     }
 
@@ -167,10 +189,14 @@ def check_prompts(n: int, seed: int) -> list[dict[str, Any]]:
     """`n` answered prompts from the drafter's training split (ended answers, not code-length)."""
     from dialogue.training.drafter_data import read_targets
 
-    rows = [r for r in read_targets().values() if r["split"] == "train" and r["ended"] and len(r["answer"]) < 300]
+    rows = [
+        r for r in read_targets().values() if r["split"] == "train" and r["ended"] and len(r["answer"]) < 300
+    ]
     random.Random(seed).shuffle(rows)
     for r in rows:
-        r["history"] = [{"role": m[0], "content": m[1]} if isinstance(m, list) else m for m in r.get("history") or []]
+        r["history"] = [
+            {"role": m[0], "content": m[1]} if isinstance(m, list) else m for m in r.get("history") or []
+        ]
     return rows[:n]
 
 
@@ -186,24 +212,40 @@ def run_check(stage: Any, n: int, seed: int, progress: bool = True) -> dict[str,
     t0 = time.perf_counter()
     for i, r in enumerate(tqdm(rows, desc="judge check", disable=not progress)):
         words = r["answer"].split()
-        answers = {"own": r["answer"], "other": rows[(i + 1) % len(rows)]["answer"],
-                   "cut": " ".join(words[: max(1, len(words) // 3)])}
+        answers = {
+            "own": r["answer"],
+            "other": rows[(i + 1) % len(rows)]["answer"],
+            "cut": " ".join(words[: max(1, len(words) // 3)]),
+        }
         for kind, a in answers.items():
             scores["rating"][kind].append(rating(r["history"], r["text"], a))
-        for kind, s in zip(answers, likelihood.score(r["history"], r["text"], list(answers.values())), strict=True):
+        for kind, s in zip(
+            answers, likelihood.score(r["history"], r["text"], list(answers.values())), strict=True
+        ):
             scores["likelihood"][kind].append(s.quality)
             scores["likelihood-total"][kind].append(s.quality_total)
     return {
-        "n": len(rows), "seed": seed, "seconds": round(time.perf_counter() - t0, 1),
-        "judges": {j: {"mean": {k: sum(v) / len(v) for k, v in s.items()},
-                       "own_vs_other": validity(s["own"], s["other"]), "own_vs_cut": validity(s["own"], s["cut"])}
-                   for j, s in scores.items()},
+        "n": len(rows),
+        "seed": seed,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "judges": {
+            j: {
+                "mean": {k: sum(v) / len(v) for k, v in s.items()},
+                "own_vs_other": validity(s["own"], s["other"]),
+                "own_vs_cut": validity(s["own"], s["cut"]),
+            }
+            for j, s in scores.items()
+        },
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dialogue.training.judge", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", type=int, default=80, metavar="N", help="training prompts to check the judges on")
+    ap = argparse.ArgumentParser(
+        prog="python -m dialogue.training.judge", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--check", type=int, default=80, metavar="N", help="training prompts to check the judges on"
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--profile", default=None, help="models.yaml profile (its in-process llm is the judge)")
     ap.add_argument("--out", default=None, help="write the check's results to this JSON file")
@@ -218,10 +260,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = run_check(stage, args.check, args.seed)
     for name, j in res["judges"].items():
         m = j["mean"]
-        print(f"{name:10s} mean own {m['own']:.3f} / another prompt's answer {m['other']:.3f} / first third "
-              f"{m['cut']:.3f};  AUROC own vs other {j['own_vs_other']['auroc']:.3f}, own vs cut "
-              f"{j['own_vs_cut']['auroc']:.3f};  another prompt's answer scores "
-              f"{100 * j['own_vs_other']['bad_ratio']:.1f} % of the own (n={res['n']})")
+        print(
+            f"{name:10s} mean own {m['own']:.3f} / another prompt's answer {m['other']:.3f} / first third "
+            f"{m['cut']:.3f};  AUROC own vs other {j['own_vs_other']['auroc']:.3f}, own vs cut "
+            f"{j['own_vs_cut']['auroc']:.3f};  another prompt's answer scores "
+            f"{100 * j['own_vs_other']['bad_ratio']:.1f} % of the own (n={res['n']})"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
         print(f"wrote {args.out}")

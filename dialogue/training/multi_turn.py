@@ -71,8 +71,9 @@ def is_multi(p: RP.Prompt) -> bool:
     return p.group.endswith(GROUP_SUFFIX)
 
 
-def conversations(rows: Sequence[Mapping[str, Any]], counts: Mapping[str, int] | None = None,
-                  seed: int = 0) -> list[tuple[RP.Prompt, str]]:
+def conversations(
+    rows: Sequence[Mapping[str, Any]], counts: Mapping[str, int] | None = None, seed: int = 0
+) -> list[tuple[RP.Prompt, str]]:
     """(prompt, split) for `counts[split]` conversations per split, from answered single-turn `rows`.
 
     `rows` are `drafter_targets.jsonl` rows (text, answer, ended, group, source, split, history);
@@ -82,8 +83,14 @@ def conversations(rows: Sequence[Mapping[str, Any]], counts: Mapping[str, int] |
     rng = random.Random(seed)
     out: list[tuple[RP.Prompt, str]] = []
     for split in sorted(counts):
-        pool = [r for r in rows if r.get("split") == split and not r.get("history") and str(r.get("answer", "")).strip()
-                and not V.is_markup(str(r["answer"]))]
+        pool = [
+            r
+            for r in rows
+            if r.get("split") == split
+            and not r.get("history")
+            and str(r.get("answer", "")).strip()
+            and not V.is_markup(str(r["answer"]))
+        ]
         pool.sort(key=lambda r: (r["group"], r["text"]))
         if len(pool) < MAX_EXCHANGES + 2:
             continue
@@ -101,7 +108,10 @@ def conversations(rows: Sequence[Mapping[str, Any]], counts: Mapping[str, int] |
             earlier = [r for r in rng.sample(src, min(len(src), k + 3)) if r["text"] != last["text"]][:k]
             history: list[tuple[str, str]] = []
             for r in earlier:
-                history += [("user", str(r["text"])), ("assistant", spoken_answer(r["answer"], bool(r["ended"])))]
+                history += [
+                    ("user", str(r["text"])),
+                    ("assistant", spoken_answer(r["answer"], bool(r["ended"]))),
+                ]
             text = str(last["text"])
             if rng.random() < BARGE_IN:
                 history[-1] = ("assistant", heard_words(history[-1][1], rng))

@@ -140,8 +140,10 @@ def score_prefix(
     cache = cache if cache is not None else DynamicCache(config=model.config)
     done = cache.get_seq_length()
     if done >= len(ctx_ids):
-        raise ValueError(f"score_prefix: the cache holds {done} positions; leave at least one of the "
-                         f"{len(ctx_ids)} context tokens to forward (its logits score the first prefix token)")
+        raise ValueError(
+            f"score_prefix: the cache holds {done} positions; leave at least one of the "
+            f"{len(ctx_ids)} context tokens to forward (its logits score the first prefix token)"
+        )
     seq = list(ctx_ids[done:]) + pids
     from dialogue.fast_decoder import decoder_hidden
 
@@ -151,8 +153,13 @@ def score_prefix(
     logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)  # row i predicts pids[i]
     lps = logp[torch.arange(len(pids)), torch.tensor(pids)].tolist()
     ent = (-(logp.exp() * logp).sum(-1)).tolist()
-    return PrefixScore(float(sum(lps) / len(lps)), float(min(lps)), len(pids), [float(x) for x in lps],
-                       [float(x) for x in ent])
+    return PrefixScore(
+        float(sum(lps) / len(lps)),
+        float(min(lps)),
+        len(pids),
+        [float(x) for x in lps],
+        [float(x) for x in ent],
+    )
 
 
 def _prefix_steps(tokenizer: Any, tokens: Sequence[int], prefix: str) -> int:
@@ -221,14 +228,25 @@ def features_dir() -> Path:
 
 def example_key(p: Prompt, system: str, slow_name: str, adapter_sha: str | None = None) -> str:
     """Cache key of a prompt's features: everything that changes them."""
-    ident = [FEATURE_VERSION, DRAFTER["sha256"], slow_name, DTYPE, system, list(p.history), p.text,
-             V.MAX_DRAFT_WORDS, V.MAX_DRAFT_TOKENS]
+    ident = [
+        FEATURE_VERSION,
+        DRAFTER["sha256"],
+        slow_name,
+        DTYPE,
+        system,
+        list(p.history),
+        p.text,
+        V.MAX_DRAFT_WORDS,
+        V.MAX_DRAFT_TOKENS,
+    ]
     if adapter_sha is not None:
         ident.append(adapter_sha)
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:24]
 
 
-def build_dataset(prompts: Sequence[Prompt], progress: bool = True, adapter: Path | None = None) -> list[dict[str, Any]]:
+def build_dataset(
+    prompts: Sequence[Prompt], progress: bool = True, adapter: Path | None = None
+) -> list[dict[str, Any]]:
     """Features of every prompt: cached ones are read, the rest computed (models loaded lazily)."""
     from tqdm import tqdm
 
@@ -255,8 +273,13 @@ def build_dataset(prompts: Sequence[Prompt], progress: bool = True, adapter: Pat
     out = []
     for p, f in tqdm(keyed, desc="loading features", disable=not progress):
         ex = torch.load(f, weights_only=False)
-        ex.update(group=p.group, source=p.source, history=[list(h) for h in p.history], text=p.text,
-                  feature_file=str(f))
+        ex.update(
+            group=p.group,
+            source=p.source,
+            history=[list(h) for h in p.history],
+            text=p.text,
+            feature_file=str(f),
+        )
         out.append(ex)
     return out
 

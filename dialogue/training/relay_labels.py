@@ -74,8 +74,9 @@ def relay_answer(slow: Any, ids: Sequence[int], prefix: str, max_tokens: int = L
     return (prefix + slow.tokenizer.decode(cont, skip_special_tokens=True)).strip()
 
 
-def judged(judge: Any, history: Sequence[dict[str, str]], text: str, slow_answer_text: str,
-           relay_text: str) -> dict[str, float]:
+def judged(
+    judge: Any, history: Sequence[dict[str, str]], text: str, slow_answer_text: str, relay_text: str
+) -> dict[str, float]:
     """The judge's per-token PMI (floored at 0) of both answers and the loss between them."""
     s, r = judge.score(history, text, [slow_answer_text, relay_text])
     q_s, q_r = max(0.0, s.pmi), max(0.0, r.pmi)
@@ -101,8 +102,12 @@ def label_path(feature_file: Path) -> Path:
     return feature_file.with_name(f"{feature_file.stem}.judge{LABEL_VERSION}.json")
 
 
-def judge_dataset(examples: Sequence[Mapping[str, Any]], feature_files: Sequence[Path],
-                  progress: bool = True, shipped: Path | None = SHIPPED) -> list[dict[str, Any]]:
+def judge_dataset(
+    examples: Sequence[Mapping[str, Any]],
+    feature_files: Sequence[Path],
+    progress: bool = True,
+    shipped: Path | None = SHIPPED,
+) -> list[dict[str, Any]]:
     """The judge's result for every example (`train_verifier.build_dataset`'s, with their feature
     files): read from the `shipped` labels, else from its cache file, else made (the slow model is
     loaded only if one is missing)."""
@@ -121,8 +126,11 @@ def judge_dataset(examples: Sequence[Mapping[str, Any]], feature_files: Sequence
         results.append({k: row[k] for k in RESULT_KEYS if k in row} if ok else None)
     todo = [i for i, p in enumerate(paths) if results[i] is None and not p.is_file()]
     n_shipped = sum(r is not None for r in results)
-    print(f"judge labels: {n_shipped} shipped ({shipped}), {len(paths) - n_shipped - len(todo)} cached, "
-          f"{len(todo)} to make", file=sys.stderr)
+    print(
+        f"judge labels: {n_shipped} shipped ({shipped}), {len(paths) - n_shipped - len(todo)} cached, "
+        f"{len(todo)} to make",
+        file=sys.stderr,
+    )
     if todo:
         from dialogue.training.judge import LikelihoodJudge
 
@@ -171,16 +179,21 @@ def read_shipped(path: Path | None = SHIPPED) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def write_shipped(examples: Sequence[Mapping[str, Any]], results: Sequence[Mapping[str, Any]],
-                  path: Path = SHIPPED) -> None:
+def write_shipped(
+    examples: Sequence[Mapping[str, Any]], results: Sequence[Mapping[str, Any]], path: Path = SHIPPED
+) -> None:
     """One line per draft: its feature key, the caller's words, the committed prefix and the judge's
     result (`RESULT_KEYS`; an infinite loss, for no prefix, as null), in the examples' order."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     with tmp.open("w") as f:
         for ex, res in zip(examples, results, strict=True):
-            row = {"key": Path(ex["feature_file"]).stem, "version": LABEL_VERSION, "text": ex["text"],
-                   "prefix": str(ex["prefix"]).strip()}
+            row = {
+                "key": Path(ex["feature_file"]).stem,
+                "version": LABEL_VERSION,
+                "text": ex["text"],
+                "prefix": str(ex["prefix"]).strip(),
+            }
             row |= {k: res[k] for k in RESULT_KEYS if k in res}
             row["loss"] = float(row["loss"]) if math.isfinite(float(row["loss"])) else None
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -189,18 +202,20 @@ def write_shipped(examples: Sequence[Mapping[str, Any]], results: Sequence[Mappi
 
 def rule(margin: float = MARGIN) -> str:
     """The label rule, in words, for the verifier's metadata."""
-    return ("label 1 iff the prefix is non-empty, Latin script, no markup/code, and "
-            f"the relay's answer (the prefix, then the slow model's greedy continuation, {LABEL_TOKENS} tokens) "
-            f"loses at most {margin} of the likelihood judge's per-token PMI (floored at 0) against the slow "
-            "model's own answer; a prefix the slow model's own answer starts with loses nothing")
+    return (
+        "label 1 iff the prefix is non-empty, Latin script, no markup/code, and "
+        f"the relay's answer (the prefix, then the slow model's greedy continuation, {LABEL_TOKENS} tokens) "
+        f"loses at most {margin} of the likelihood judge's per-token PMI (floored at 0) against the slow "
+        "model's own answer; a prefix the slow model's own answer starts with loses nothing"
+    )
 
 
-def label_examples(examples: Sequence[dict[str, Any]], results: Sequence[Mapping[str, Any]],
-                   margin: float = MARGIN) -> list[int]:
+def label_examples(
+    examples: Sequence[dict[str, Any]], results: Sequence[Mapping[str, Any]], margin: float = MARGIN
+) -> list[int]:
     """1 = committing the draft keeps the answer; sets ex['label'], ex['reason'] and ex['loss'] too.
     Reasons: a forced negative of `train_verifier.forced_negative`, "own" (the slow model's answer
     starts with the prefix), "kept" or "loses"."""
-
 
     labels = []
     for ex, res in zip(examples, results, strict=True):

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 
-def focal_loss(logits: torch.Tensor, target: torch.Tensor, alpha: float = 0.5, gamma: float = 2.0) -> torch.Tensor:
+def focal_loss(
+    logits: torch.Tensor, target: torch.Tensor, alpha: float = 0.5, gamma: float = 2.0
+) -> torch.Tensor:
     """Mean binary focal loss: easy examples (p_t near 1) count less, so the hard boundary cases
     (fluent-but-wrong drafts) shape the verifier. alpha weighs the positives, 1-alpha the negatives."""
     target = target.float()
@@ -38,7 +40,9 @@ def auroc(scores: Sequence[float] | torch.Tensor, labels: Sequence[int] | torch.
     return float((ranks[y].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def classify_metrics(p: Sequence[float] | torch.Tensor, y: Sequence[int] | torch.Tensor, thr: float) -> dict[str, Any]:
+def classify_metrics(
+    p: Sequence[float] | torch.Tensor, y: Sequence[int] | torch.Tensor, thr: float
+) -> dict[str, Any]:
     """Macro-F1, commit fraction, precision/recall of committed prefixes at threshold `thr`."""
     p_t = torch.as_tensor(p, dtype=torch.float64).reshape(-1)
     y_t = torch.as_tensor(y).reshape(-1).bool()

@@ -182,8 +182,18 @@ def build_examples(tokenizer: Any, system: str, rows: Sequence[dict[str, Any]]) 
         tgt = list(tokenizer.encode(answer, add_special_tokens=False))
         if r.get("ended") and len(tgt) < TARGET_TOKENS and isinstance(stop, int):
             tgt.append(stop)
-        out.append(Example(r["key"], r["split"], ids, tgt[:TARGET_TOKENS], r["text"], answer,
-                           [list(h) for h in r["history"]], str(r.get("source", ""))))
+        out.append(
+            Example(
+                r["key"],
+                r["split"],
+                ids,
+                tgt[:TARGET_TOKENS],
+                r["text"],
+                answer,
+                [list(h) for h in r["history"]],
+                str(r.get("source", "")),
+            )
+        )
     return out
 
 
@@ -206,7 +216,9 @@ def shared_prefix(seqs: Sequence[Sequence[int]]) -> int:
     return k
 
 
-def batch_loss(model: Any, batch: Sequence[Example], pad_id: int, share: bool = True) -> tuple[torch.Tensor, int]:
+def batch_loss(
+    model: Any, batch: Sequence[Example], pad_id: int, share: bool = True
+) -> tuple[torch.Tensor, int]:
     """Summed cross-entropy over the answer tokens of a right-padded batch, and their count.
 
     Every chat starts with the same system prompt: with `share` its tokens run once (batch 1, with
@@ -233,8 +245,9 @@ def batch_loss(model: Any, batch: Sequence[Example], pad_id: int, share: bool = 
             rows.append(i)
             cols.append(start + j - 1)  # the position whose logits predict target j
             labels.append(t)
-    h = model.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=cache is not None
-                    ).last_hidden_state
+    h = model.model(
+        input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=cache is not None
+    ).last_hidden_state
     logits = model.lm_head(h[torch.tensor(rows), torch.tensor(cols)])
     loss = F.cross_entropy(logits.float(), torch.tensor(labels), reduction="sum")
     return loss, len(labels)
@@ -259,8 +272,9 @@ def words(text: str, k: int) -> list[str]:
     return [text[a:b].lower().replace("\u2019", "'") for a, b in V.complete_words(text, ended=True)[:k]]
 
 
-def match_rates(model: Any, tokenizer: Any, system: str, examples: Sequence[Example],
-                progress: bool = False) -> dict[str, Any]:
+def match_rates(
+    model: Any, tokenizer: Any, system: str, examples: Sequence[Example], progress: bool = False
+) -> dict[str, Any]:
     """Greedy drafts (the engine's procedure) vs the slow model's answer: first 1 / 3 / 5 words equal."""
     from tqdm import tqdm
 
@@ -269,7 +283,9 @@ def match_rates(model: Any, tokenizer: Any, system: str, examples: Sequence[Exam
     samples = []
     copies = {"draft": 0, "slow": 0, "n": 0}
     for e in tqdm(examples, desc="drafting", disable=not progress):
-        d = V.draft(model, tokenizer, e.prompt, stop_ids=stops, max_words=max(hits))  # 5 words: all three rates
+        d = V.draft(
+            model, tokenizer, e.prompt, stop_ids=stops, max_words=max(hits)
+        )  # 5 words: all three rates
         for k in hits:
             want = words(e.answer, k)
             hits[k] += int(bool(want) and words(d.text, k) == want)
@@ -278,14 +294,19 @@ def match_rates(model: Any, tokenizer: Any, system: str, examples: Sequence[Exam
             copies["draft"] += int(copies_history(d.text, e.history))
             copies["slow"] += int(copies_history(e.answer, e.history))
         if len(samples) < 12:
-            samples.append({"text": e.text, "slow": e.answer[:60], "draft": d.text}
-                           | ({"history": e.history[-2:]} if e.history else {}))
+            samples.append(
+                {"text": e.text, "slow": e.answer[:60], "draft": d.text}
+                | ({"history": e.history[-2:]} if e.history else {})
+            )
     n = max(len(examples), 1)
     out = {"n": len(examples), **{f"match_{k}w": hits[k] / n for k in hits}}
     if copies["n"]:
         # the live failure this guards: a draft that starts like an earlier answer of the session
-        out |= {"with_history": copies["n"], "copy_rate": copies["draft"] / copies["n"],
-                "slow_copy_rate": copies["slow"] / copies["n"]}
+        out |= {
+            "with_history": copies["n"],
+            "copy_rate": copies["draft"] / copies["n"],
+            "slow_copy_rate": copies["slow"] / copies["n"],
+        }
     return out | {"samples": samples}
 
 
@@ -344,7 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dialogue import llm_weights
     from duplex.base.config import load_profile
 
-    ap = argparse.ArgumentParser(prog="python -m dialogue.training.train_drafter", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m dialogue.training.train_drafter", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--layers", type=int, default=TrainConfig.layers, help="decoder layers kept (of 30)")
     ap.add_argument("--rank", type=int, default=TrainConfig.rank)
     ap.add_argument("--epochs", type=int, default=TrainConfig.epochs)
@@ -365,24 +388,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the split comes from the prompt set (a row made before a prompt was excluded is left out)
     rows = [r | {"split": splits[k]} for k, r in DD.read_targets().items() if k in splits]
     if not rows:
-        raise SystemExit(f"no targets in {DD.TARGETS_FILE}: run `python -m dialogue.training.drafter_data` first")
+        raise SystemExit(
+            f"no targets in {DD.TARGETS_FILE}: run `python -m dialogue.training.drafter_data` first"
+        )
     system = str(load_profile("cpu").component("llm").options.get("system_prompt", "")).strip()
     model, tok = llm_weights.load(RF.DRAFTER, "float32", progress=progress)
     model.train()
     examples = build_examples(tok, system, rows)
     by_split = {s: [e for e in examples if e.split == s] for s in ("train", "val", "heldout")}
     if args.limit:
-        by_split["train"] = random.Random(cfg.seed).sample(by_split["train"], min(args.limit, len(by_split["train"])))
+        by_split["train"] = random.Random(cfg.seed).sample(
+            by_split["train"], min(args.limit, len(by_split["train"]))
+        )
     print(f"examples: { {k: len(v) for k, v in by_split.items()} }", file=sys.stderr)
 
     base_eval: dict[str, Any] = {}
     base_multi: dict[str, Any] = {}
     if not args.limit:
-        base_eval = match_rates(model, tok, system, [e for e in by_split["heldout"] if not is_multi(e)], progress)
+        base_eval = match_rates(
+            model, tok, system, [e for e in by_split["heldout"] if not is_multi(e)], progress
+        )
         base_eval["decode_ms"] = decode_ms(model, tok)
-        base_multi = match_rates(model, tok, system, [e for e in by_split["heldout"] if is_multi(e)], progress)
-        print(f"stock drafter, held-out: {json.dumps({k: v for k, v in base_eval.items() if k != 'samples'})}",
-              file=sys.stderr)
+        base_multi = match_rates(
+            model, tok, system, [e for e in by_split["heldout"] if is_multi(e)], progress
+        )
+        print(
+            f"stock drafter, held-out: {json.dumps({k: v for k, v in base_eval.items() if k != 'samples'})}",
+            file=sys.stderr,
+        )
 
     n_layers = len(model.model.layers)
     kept = list(range(n_layers))
@@ -395,8 +428,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kept layers {kept}", file=sys.stderr)
     lora = add_lora(model, cfg.rank, cfg.alpha, cfg.dropout)
     params = [p for p in model.parameters() if p.requires_grad]
-    print(f"trainable parameters: {sum(p.numel() for p in params)} in {len(lora)} LoRA projections + norms",
-          file=sys.stderr)
+    print(
+        f"trainable parameters: {sum(p.numel() for p in params)} in {len(lora)} LoRA projections + norms",
+        file=sys.stderr,
+    )
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)
     steps_per_epoch = math.ceil(len(by_split["train"]) / cfg.batch)
@@ -410,14 +445,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     history = []
-    best: tuple[float, int, dict[str, torch.Tensor]] = (mean_loss(model, by_split["val"], pad), -1,
-                                                        adapter_tensors(model))
+    best: tuple[float, int, dict[str, torch.Tensor]] = (
+        mean_loss(model, by_split["val"], pad),
+        -1,
+        adapter_tensors(model),
+    )
     print(f"val loss before training {best[0]:.3f}", file=sys.stderr)
     step = 0
     for epoch in range(cfg.epochs):
         model.train()
-        bar = tqdm(batches(by_split["train"], cfg.batch, rng), desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                   disable=not progress)
+        bar = tqdm(
+            batches(by_split["train"], cfg.batch, rng),
+            desc=f"epoch {epoch + 1}/{cfg.epochs}",
+            disable=not progress,
+        )
         run, seen = 0.0, 0
         for b in bar:
             for g in opt.param_groups:
@@ -447,10 +488,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ho_eval = match_rates(merged, tok, system, [e for e in by_split["heldout"] if not is_multi(e)], progress)
     ho_eval["decode_ms"] = decode_ms(merged, tok)
     ho_multi = match_rates(merged, tok, system, [e for e in by_split["heldout"] if is_multi(e)], progress)
-    print(f"distilled drafter, held-out conversations: "
-          f"{json.dumps({k: v for k, v in ho_multi.items() if k != 'samples'})}", file=sys.stderr)
-    print(f"distilled drafter, held-out: {json.dumps({k: v for k, v in ho_eval.items() if k != 'samples'})}",
-          file=sys.stderr)
+    print(
+        f"distilled drafter, held-out conversations: "
+        f"{json.dumps({k: v for k, v in ho_multi.items() if k != 'samples'})}",
+        file=sys.stderr,
+    )
+    print(
+        f"distilled drafter, held-out: {json.dumps({k: v for k, v in ho_eval.items() if k != 'samples'})}",
+        file=sys.stderr,
+    )
 
     from safetensors.torch import save_file
 
@@ -464,8 +510,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "alpha": cfg.alpha,
         "targets": list(LORA_TARGETS) + ["input_layernorm", "post_attention_layernorm", "norm (whole)"],
         "config": asdict(cfg),
-        "data": {"file": str(DD.TARGETS_FILE.relative_to(DD.TARGETS_FILE.parents[2])),
-                 "examples": {k: len(v) for k, v in by_split.items()}, "target_tokens": TARGET_TOKENS},
+        "data": {
+            "file": str(DD.TARGETS_FILE.relative_to(DD.TARGETS_FILE.parents[2])),
+            "examples": {k: len(v) for k, v in by_split.items()},
+            "target_tokens": TARGET_TOKENS,
+        },
         "train": {"best_epoch": best[1], "best_val_loss": best[0], "history": history},
         "stock_heldout": base_eval,
         "stock_heldout_conversations": base_multi,
@@ -476,11 +525,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seconds": round(time.time() - t0),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(torch.float16 if "lora_" in k else torch.float32).contiguous() for k, v in best[2].items()},
-              str(args.out), metadata={"format": f"duplex-drafter-adapter-{DA.FORMAT}"})
+    save_file(
+        {k: v.to(torch.float16 if "lora_" in k else torch.float32).contiguous() for k, v in best[2].items()},
+        str(args.out),
+        metadata={"format": f"duplex-drafter-adapter-{DA.FORMAT}"},
+    )
     args.out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB) and {args.out.with_suffix('.json')} "
-          f"in {time.time() - t0:.0f}s", file=sys.stderr)
+    print(
+        f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB) and {args.out.with_suffix('.json')} "
+        f"in {time.time() - t0:.0f}s",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -80,8 +80,9 @@ def hidden_state(model: Any, ids: Sequence[int]) -> torch.Tensor:
         return decoder_hidden(model, ids)[0, -1].float().clone()
 
 
-def sliced_hidden_state(model: Any, ids: Sequence[int], open_from: int, slice_tokens: int = ENGINE_SLICE_TOKENS
-                        ) -> torch.Tensor:
+def sliced_hidden_state(
+    model: Any, ids: Sequence[int], open_from: int, slice_tokens: int = ENGINE_SLICE_TOKENS
+) -> torch.Tensor:
     """Like the engine: everything before the user's words prefilled at once, then their tokens a
     few at a time into the KV cache. int8 activations are quantised per call, so this differs a
     little from `hidden_state`; the heads must not care."""
@@ -275,9 +276,16 @@ def _fit(
     module.load_state_dict(best_state)
     module.eval()
     if progress:
-        print(f"{name} head: best validation loss {best:.4f} at epoch {best_epoch}/{len(history)}", file=sys.stderr)
-    return {"best_epoch": best_epoch, "epochs_run": len(history), "val_loss": best,
-            "train_loss": history[best_epoch - 1][0]}
+        print(
+            f"{name} head: best validation loss {best:.4f} at epoch {best_epoch}/{len(history)}",
+            file=sys.stderr,
+        )
+    return {
+        "best_epoch": best_epoch,
+        "epochs_run": len(history),
+        "val_loss": best,
+        "train_loss": history[best_epoch - 1][0],
+    }
 
 
 def train_heads(
@@ -290,17 +298,42 @@ def train_heads(
     info: dict[str, Any] = {}
     wt = class_weights(ys["turn:train"], 3)
     ce = nn.CrossEntropyLoss(weight=wt)
-    info["turn"] = _fit(heads.turn_mlp, heads.turn_logits, ce, feats["turn:train"], ys["turn:train"],
-                        feats["turn:val"], ys["turn:val"], cfg, "turn", progress)
+    info["turn"] = _fit(
+        heads.turn_mlp,
+        heads.turn_logits,
+        ce,
+        feats["turn:train"],
+        ys["turn:train"],
+        feats["turn:val"],
+        ys["turn:val"],
+        cfg,
+        "turn",
+        progress,
+    )
     wo = class_weights(ys["overlap:train"], 2)
 
     def bce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         w = wo[y]
-        return (w * nn.functional.binary_cross_entropy_with_logits(logits, y.float(), reduction="none")).sum() / w.sum()
+        return (
+            w * nn.functional.binary_cross_entropy_with_logits(logits, y.float(), reduction="none")
+        ).sum() / w.sum()
 
-    info["overlap"] = _fit(heads.overlap_mlp, heads.overlap_logits, bce, feats["overlap:train"], ys["overlap:train"],
-                           feats["overlap:val"], ys["overlap:val"], cfg, "overlap", progress)
-    info["class_weights"] = {"turn": [round(float(v), 4) for v in wt], "overlap": [round(float(v), 4) for v in wo]}
+    info["overlap"] = _fit(
+        heads.overlap_mlp,
+        heads.overlap_logits,
+        bce,
+        feats["overlap:train"],
+        ys["overlap:train"],
+        feats["overlap:val"],
+        ys["overlap:val"],
+        cfg,
+        "overlap",
+        progress,
+    )
+    info["class_weights"] = {
+        "turn": [round(float(v), 4) for v in wt],
+        "overlap": [round(float(v), 4) for v in wo],
+    }
     return heads, info
 
 
@@ -309,8 +342,12 @@ def train_heads(
 _GRID = [round(0.01 * i, 2) for i in range(1, 100)] + [0.995, 0.999]
 
 
-def tune_speak_threshold(probs: torch.Tensor, y: torch.Tensor, max_takeover: float = MAX_VAL_TAKEOVER,
-                         recall_slack: float = RECALL_SLACK) -> float:
+def tune_speak_threshold(
+    probs: torch.Tensor,
+    y: torch.Tensor,
+    max_takeover: float = MAX_VAL_TAKEOVER,
+    recall_slack: float = RECALL_SLACK,
+) -> float:
     """P(speak) threshold: complete turns (SPEAK) answered as often as possible while at most
     `max_takeover` of the mid-sentence pauses (LISTEN) are taken over.
 
@@ -328,7 +365,9 @@ def tune_speak_threshold(probs: torch.Tensor, y: torch.Tensor, max_takeover: flo
     return float(max(t for t in ok if recall[t] >= best - recall_slack))
 
 
-def tune_take_threshold(probs: torch.Tensor, y: torch.Tensor, max_takeover: float = MAX_VAL_TAKEOVER) -> float:
+def tune_take_threshold(
+    probs: torch.Tensor, y: torch.Tensor, max_takeover: float = MAX_VAL_TAKEOVER
+) -> float:
     """P(not listen) threshold of the take rule (`TurnPolicy.take_threshold`): the lowest, so the most
     complete turns and story pauses are taken, with at most `max_takeover` of the validation
     mid-sentence pauses (LISTEN) taken, as speech or as "mm-hmm": both end the user's turn."""
@@ -343,8 +382,9 @@ def decide_turns(probs: torch.Tensor, policy: TurnPolicy) -> torch.Tensor:
     return torch.tensor([policy.decide_turn(p) for p in probs.tolist()], dtype=torch.long)
 
 
-def tune_backchannel_threshold(probs: torch.Tensor, y: torch.Tensor, speak_threshold: float,
-                               tolerance: float = 0.005) -> float:
+def tune_backchannel_threshold(
+    probs: torch.Tensor, y: torch.Tensor, speak_threshold: float, tolerance: float = 0.005
+) -> float:
     """P(backchannel) threshold with the best F1 of "mm-hmm" decisions (given speak_threshold).
 
     F1 is often flat over a wide range (the session rule also wants p_bc >= p_listen); among the
@@ -379,8 +419,13 @@ def _rate(mask: torch.Tensor, of: torch.Tensor) -> dict[str, Any]:
     return {"rate": round(k / n, 4) if n else None, "k": k, "n": n}
 
 
-def turn_metrics(probs: torch.Tensor, y: torch.Tensor, policy: TurnPolicy,
-                 sources: Sequence[str] | None = None, kinds: Sequence[str] | None = None) -> dict[str, Any]:
+def turn_metrics(
+    probs: torch.Tensor,
+    y: torch.Tensor,
+    policy: TurnPolicy,
+    sources: Sequence[str] | None = None,
+    kinds: Sequence[str] | None = None,
+) -> dict[str, Any]:
     """Takeover rates, the 3-class confusion matrix (rows: label, columns: decision) and counts;
     by source, and typed text vs the ASR's transcripts of it (`kinds` ending "+heard") apart.
     `pause_answered` counts a "mm-hmm" at a mid-sentence pause too (the session answers after
@@ -406,16 +451,22 @@ def turn_metrics(probs: torch.Tensor, y: torch.Tensor, policy: TurnPolicy,
         out["speak_vs_listen_auroc"] = round(auroc(probs[keep, SPEAK], (y[keep] == SPEAK).long()), 4)
     if kinds is not None and any(k.endswith(HEARD_KIND) for k in kinds):
         heard = torch.tensor([k.endswith(HEARD_KIND) for k in kinds])
-        out["by_form"] = {form: {"pause_takeover": _rate(d == SPEAK, (y == LISTEN) & m),
-                                 "pause_answered": _rate(d != LISTEN, (y == LISTEN) & m),
-                                 "complete_takeover": _rate(d == SPEAK, (y == SPEAK) & m)}
-                          for form, m in (("typed", ~heard), ("heard", heard))}
+        out["by_form"] = {
+            form: {
+                "pause_takeover": _rate(d == SPEAK, (y == LISTEN) & m),
+                "pause_answered": _rate(d != LISTEN, (y == LISTEN) & m),
+                "complete_takeover": _rate(d == SPEAK, (y == SPEAK) & m),
+            }
+            for form, m in (("typed", ~heard), ("heard", heard))
+        }
     if sources is not None:
         by: dict[str, Any] = {}
         for src in sorted({s.split("/")[0] for s in sources}):
             m = torch.tensor([s.split("/")[0] == src for s in sources])
-            by[src] = {"pause_takeover": _rate(d == SPEAK, (y == LISTEN) & m),
-                       "complete_takeover": _rate(d == SPEAK, (y == SPEAK) & m)}
+            by[src] = {
+                "pause_takeover": _rate(d == SPEAK, (y == LISTEN) & m),
+                "complete_takeover": _rate(d == SPEAK, (y == SPEAK) & m),
+            }
         out["by_source"] = by
     return out
 
@@ -462,8 +513,13 @@ def metrics_from_features(
             x = feats[idx]
             y = torch.tensor([int(examples[i]["label"]) for i in idx], dtype=torch.long)
             if head == "turn":
-                out["turn"] = turn_metrics(heads.turn(x), y, policy, [str(examples[i]["source"]) for i in idx],
-                                           [str(examples[i].get("kind", "")) for i in idx])
+                out["turn"] = turn_metrics(
+                    heads.turn(x),
+                    y,
+                    policy,
+                    [str(examples[i]["source"]) for i in idx],
+                    [str(examples[i].get("kind", "")) for i in idx],
+                )
             else:
                 out["overlap"] = overlap_metrics(heads.overlap(x), y, policy)
     return out
@@ -486,8 +542,16 @@ def evaluate_turn_heads(
     `procedure` "full" runs each prompt in one forward (the training input); "sliced" prefills the
     user's words a few tokens at a time like the engine does.
     """
-    feats = extract_features(model, tok, examples, system if system is not None else system_prompt(),
-                             store=store, procedure=procedure, progress=progress, desc=f"evaluate ({procedure})")
+    feats = extract_features(
+        model,
+        tok,
+        examples,
+        system if system is not None else system_prompt(),
+        store=store,
+        procedure=procedure,
+        progress=progress,
+        desc=f"evaluate ({procedure})",
+    )
     return metrics_from_features(heads, policy, examples, feats)
 
 
@@ -496,6 +560,7 @@ def format_report(m: Mapping[str, Any], title: str) -> str:
     lines = [f"== {title}"]
     t = m.get("turn")
     if t:
+
         def r(x: Mapping[str, Any]) -> str:
             return f"{x['rate']:.1%} ({x['k']}/{x['n']})" if x["rate"] is not None else "n/a (n=0)"
 
@@ -511,10 +576,14 @@ def format_report(m: Mapping[str, Any], title: str) -> str:
         for name, row in zip(LABELS, t["confusion"]["rows_label_cols_decision"], strict=True):
             lines.append(f"  {name:>11}: " + " ".join(f"{v:6d}" for v in row))
         for form, v in t.get("by_form", {}).items():
-            lines.append(f"  {form}: pause takeover {r(v['pause_takeover'])} (with mm-hmm {r(v['pause_answered'])}), "
-                         f"complete {r(v['complete_takeover'])}")
+            lines.append(
+                f"  {form}: pause takeover {r(v['pause_takeover'])} (with mm-hmm {r(v['pause_answered'])}), "
+                f"complete {r(v['complete_takeover'])}"
+            )
         for src, v in t.get("by_source", {}).items():
-            lines.append(f"  {src}: pause takeover {r(v['pause_takeover'])}, complete {r(v['complete_takeover'])}")
+            lines.append(
+                f"  {src}: pause takeover {r(v['pause_takeover'])}, complete {r(v['complete_takeover'])}"
+            )
     o = m.get("overlap")
     if o:
         lines.append(
@@ -543,16 +612,28 @@ def _sha256(path: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dialogue.training.train_turn", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_WEIGHTS, help="weights file; the metadata goes next to it")
+    ap = argparse.ArgumentParser(
+        prog="python -m dialogue.training.train_turn", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument(
+        "--out", type=Path, default=DEFAULT_WEIGHTS, help="weights file; the metadata goes next to it"
+    )
     ap.add_argument("--limit", type=int, default=None, help="use at most N examples (quick runs)")
     ap.add_argument("--epochs", type=int, default=TrainConfig.epochs)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-engine-check", action="store_true", help="skip the held-out run with sliced prefill")
-    ap.add_argument("--adapter", default="shipped",
-                    help="drafter adapter the heads read: shipped (dialogue/weights), a path, or none")
-    ap.add_argument("--no-heard", action="store_true",
-                    help="typed text only (without the ASR transcripts of dialogue/training/heard_turns.py)")
+    ap.add_argument(
+        "--no-engine-check", action="store_true", help="skip the held-out run with sliced prefill"
+    )
+    ap.add_argument(
+        "--adapter",
+        default="shipped",
+        help="drafter adapter the heads read: shipped (dialogue/weights), a path, or none",
+    )
+    ap.add_argument(
+        "--no-heard",
+        action="store_true",
+        help="typed text only (without the ASR transcripts of dialogue/training/heard_turns.py)",
+    )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     progress = not args.no_progress
@@ -564,8 +645,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the held-out file stays typed text: `duplex eval dialogue` speaks and transcribes it itself
     D.write_jsonl(D.EVAL_FILE, [e for e in splits["heldout"] if not is_heard(e)])
     if args.limit:
-        splits = {k: _limit(v, max(1, round(args.limit * share)), args.seed)
-                  for (k, v), (_, share) in zip(splits.items(), D.SPLITS, strict=True)}
+        splits = {
+            k: _limit(v, max(1, round(args.limit * share)), args.seed)
+            for (k, v), (_, share) in zip(splits.items(), D.SPLITS, strict=True)
+        }
     sizes = {k: D.summarize(v)["labels"] for k, v in splits.items()}
     print(f"examples: {json.dumps(sizes)}", file=sys.stderr)
 
@@ -575,8 +658,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     adapter_sha = adapter_sha256(adapter)
     model, tok = load_drafter(D.DRAFTER, DTYPE, adapter, progress=progress)
     system = system_prompt()
-    drafter_id = D.DRAFTER["sha256"] if adapter_sha is None else \
-        hashlib.sha256(f"{D.DRAFTER['sha256']}+{adapter_sha}".encode()).hexdigest()
+    drafter_id = (
+        D.DRAFTER["sha256"]
+        if adapter_sha is None
+        else hashlib.sha256(f"{D.DRAFTER['sha256']}+{adapter_sha}".encode()).hexdigest()
+    )
     store = FeatureStore(features_dir(), drafter_id)
     feats: dict[str, torch.Tensor] = {}
     ys: dict[str, torch.Tensor] = {}
@@ -610,16 +696,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return metrics_from_features(heads, policy, exs, x)
 
     val_m, ho_m = report("val"), report("heldout")
-    print(f"thresholds: take {take_t} (the rule), speak {speak_t}, backchannel {bc_t}, interrupt {int_t}",
-          file=sys.stderr)
+    print(
+        f"thresholds: take {take_t} (the rule), speak {speak_t}, backchannel {bc_t}, interrupt {int_t}",
+        file=sys.stderr,
+    )
     print(format_report(val_m, "validation"), file=sys.stderr)
     print(format_report(ho_m, "held-out"), file=sys.stderr)
     engine_m = None
     if not args.no_engine_check:
-        engine_m = evaluate_turn_heads(model, tok, heads, policy, splits["heldout"], system=system,
-                                       procedure="sliced", store=store, progress=progress)
-        print(format_report(engine_m, f"held-out, engine-style prefill ({ENGINE_SLICE_TOKENS}-token slices)"),
-              file=sys.stderr)
+        engine_m = evaluate_turn_heads(
+            model,
+            tok,
+            heads,
+            policy,
+            splits["heldout"],
+            system=system,
+            procedure="sliced",
+            store=store,
+            progress=progress,
+        )
+        print(
+            format_report(engine_m, f"held-out, engine-style prefill ({ENGINE_SLICE_TOKENS}-token slices)"),
+            file=sys.stderr,
+        )
 
     from safetensors.torch import save_file
 
@@ -636,18 +735,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "thresholds": {"take": take_t, "speak": speak_t, "backchannel": bc_t, "interrupt": int_t},
         "threshold_rules": {
             "take": f"lowest P(not listen) threshold with <= {MAX_VAL_TAKEOVER:.0%} of validation LISTEN pauses "
-                    "taken (speak or backchannel); the decision rule (TurnPolicy.take_threshold); speak and "
-                    "backchannel below are the older rule's, kept for comparison",
+            "taken (speak or backchannel); the decision rule (TurnPolicy.take_threshold); speak and "
+            "backchannel below are the older rule's, kept for comparison",
             "speak": f"highest P(speak) threshold with <= {MAX_VAL_TAKEOVER:.0%} of validation LISTEN pauses taken "
-                     f"over and SPEAK recall within {RECALL_SLACK:.0%} of the best such threshold's",
+            f"over and SPEAK recall within {RECALL_SLACK:.0%} of the best such threshold's",
             "backchannel": "best F1 (within 0.005, then closest to 0.5) of backchannel decisions on validation "
-                           "(session rule: p_bc >= threshold and p_bc >= p_listen, when not speaking)",
+            "(session rule: p_bc >= threshold and p_bc >= p_listen, when not speaking)",
             "interrupt": "best balanced accuracy on validation",
         },
         "drafter": {k: D.DRAFTER[k] for k in ("name", "package", "file", "version", "sha256")}
-        | {"dtype": DTYPE, "adapter_sha256": adapter_sha, "adapter": None if adapter is None else adapter.name},
+        | {
+            "dtype": DTYPE,
+            "adapter_sha256": adapter_sha,
+            "adapter": None if adapter is None else adapter.name,
+        },
         "input": {
-            "text": "normalize_user_text (strip . , ! ? ; : \" and collapse spaces; case and apostrophes kept)",
+            "text": 'normalize_user_text (strip . , ! ? ; : " and collapse spaces; case and apostrophes kept)',
             "prompt": "render_user_prefix: chat template of system + history + user text, trailing <|im_end|>\\n cut",
             "hidden": "model.model(input_ids).last_hidden_state[0, -1] (after the final norm), float32",
             "turn_history": "up to 2 previous messages; overlap: none",
@@ -657,15 +760,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             "splits": {k: D.summarize(v) for k, v in splits.items()},
             "split_rule": "seeded sha256 of the example group: 70/15/15 train/val/heldout",
             "limit": args.limit,
-            "generated_file": {"path": str(gen_file.relative_to(gen_file.parents[2])), "sha256": _sha256(gen_file)},
-            "heard_file": None if args.no_heard or not HEARD_FILE.is_file() else
-            {"path": str(HEARD_FILE.relative_to(HEARD_FILE.parents[2])), "sha256": _sha256(HEARD_FILE),
-             "examples": sum(1 for e in examples if is_heard(e))},
-            "eval_file": {"path": str(D.EVAL_FILE.relative_to(D.EVAL_FILE.parents[2])), "sha256": _sha256(D.EVAL_FILE)},
+            "generated_file": {
+                "path": str(gen_file.relative_to(gen_file.parents[2])),
+                "sha256": _sha256(gen_file),
+            },
+            "heard_file": None
+            if args.no_heard or not HEARD_FILE.is_file()
+            else {
+                "path": str(HEARD_FILE.relative_to(HEARD_FILE.parents[2])),
+                "sha256": _sha256(HEARD_FILE),
+                "examples": sum(1 for e in examples if is_heard(e)),
+            },
+            "eval_file": {
+                "path": str(D.EVAL_FILE.relative_to(D.EVAL_FILE.parents[2])),
+                "sha256": _sha256(D.EVAL_FILE),
+            },
         },
-        "train": info | {"config": asdict(cfg), "feature_seconds": round(feat_s, 1),
-                         "features_cached": store.hits, "features_computed": store.misses,
-                         "train_seconds": round(train_s, 1), "total_seconds": round(time.time() - t0, 1)},
+        "train": info
+        | {
+            "config": asdict(cfg),
+            "feature_seconds": round(feat_s, 1),
+            "features_cached": store.hits,
+            "features_computed": store.misses,
+            "train_seconds": round(train_s, 1),
+            "total_seconds": round(time.time() - t0, 1),
+        },
         "val": val_m,
         "heldout": ho_m,
         "heldout_engine_prefill": engine_m,
@@ -675,7 +794,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     args.out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"wrote {args.out} and {args.out.with_suffix('.json')} in {time.time() - t0:.0f} s", file=sys.stderr)
+    print(
+        f"wrote {args.out} and {args.out.with_suffix('.json')} in {time.time() - t0:.0f} s", file=sys.stderr
+    )
     return 0
 
 

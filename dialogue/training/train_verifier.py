@@ -90,14 +90,18 @@ class Acceptance:
     def accepts(self, logprobs: Sequence[float], entropies: Sequence[float]) -> bool:
         if not logprobs or len(logprobs) != len(entropies):
             return False
-        return all(lp >= math.log(min(self.epsilon, self.delta * math.exp(-h)))
-                   for lp, h in zip(logprobs, entropies, strict=True))
+        return all(
+            lp >= math.log(min(self.epsilon, self.delta * math.exp(-h)))
+            for lp, h in zip(logprobs, entropies, strict=True)
+        )
 
     @property
     def rule(self) -> str:
-        return ("label 1 iff the prefix is non-empty, Latin script, no markup/code, not an echo of the question, "
-                "and either the slow model's own greedy opening word for word, or every token passes typical "
-                f"acceptance under the slow model: p >= min({self.epsilon}, {self.delta} * exp(-entropy))")
+        return (
+            "label 1 iff the prefix is non-empty, Latin script, no markup/code, not an echo of the question, "
+            "and either the slow model's own greedy opening word for word, or every token passes typical "
+            f"acceptance under the slow model: p >= min({self.epsilon}, {self.delta} * exp(-entropy))"
+        )
 
 
 def is_own_opening(prefix: str, slow_opening: str) -> bool:
@@ -136,7 +140,9 @@ def label_examples(examples: Sequence[dict[str, Any]], acc: Acceptance) -> list[
 # -- splitting, batching, metrics --------------------------------------------------------------------
 
 
-def collate(examples: Sequence[Mapping[str, Any]], max_len: int = V.MAX_DRAFT_TOKENS) -> tuple[torch.Tensor, ...]:
+def collate(
+    examples: Sequence[Mapping[str, Any]], max_len: int = V.MAX_DRAFT_TOKENS
+) -> tuple[torch.Tensor, ...]:
     """Pad to [B, max_len, H] / [B, max_len, 3] / mask [B, max_len]."""
     size = int(examples[0]["hidden"].shape[-1])
     b = len(examples)
@@ -233,8 +239,13 @@ def train_verifier(
             break
     model.load_state_dict(best[2])
     model.eval()
-    return model, {"best_epoch": best[1], "best_val_auroc": best[0], "epochs_run": len(history),
-                   "alpha": alpha, "history": history}
+    return model, {
+        "best_epoch": best[1],
+        "best_val_auroc": best[0],
+        "epochs_run": len(history),
+        "alpha": alpha,
+        "history": history,
+    }
 
 
 # -- main --------------------------------------------------------------------------------------------
@@ -242,39 +253,76 @@ def train_verifier(
 
 def _show(ex: Mapping[str, Any]) -> str:
     hist = " | ".join(f"{r[0]}: {c[:40]}" for r, c in ex["history"])
-    return (f"[{ex['reason']}] {hist + ' || ' if hist else ''}user: {ex['text'][:70]!r} -> "
-            f"draft {ex['prefix']!r} (mean {ex['score_mean']:.2f}, min {ex['score_min']:.2f}); "
-            f"slow: {ex['slow_prefix']!r}")
+    return (
+        f"[{ex['reason']}] {hist + ' || ' if hist else ''}user: {ex['text'][:70]!r} -> "
+        f"draft {ex['prefix']!r} (mean {ex['score_mean']:.2f}, min {ex['score_min']:.2f}); "
+        f"slow: {ex['slow_prefix']!r}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Build (or resume) the features, label, split, train, evaluate and write weights + metadata."""
-    ap = argparse.ArgumentParser(prog="python -m dialogue.training.train_verifier", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m dialogue.training.train_verifier", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--limit", type=int, default=None, help="use a seeded sample of N prompts")
-    ap.add_argument("--out", type=Path, default=V.DEFAULT_WEIGHTS, help="weights path (.safetensors; .json beside)")
-    ap.add_argument("--eval-out", type=Path, default=EVAL_FILE, help="held-out prompts for the relay benchmark")
+    ap.add_argument(
+        "--out", type=Path, default=V.DEFAULT_WEIGHTS, help="weights path (.safetensors; .json beside)"
+    )
+    ap.add_argument(
+        "--eval-out", type=Path, default=EVAL_FILE, help="held-out prompts for the relay benchmark"
+    )
     ap.add_argument("--seed", type=int, default=0, help="split and training seed (the prompts stay the same)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the CPU is shared)")
-    ap.add_argument("--epsilon", type=float, default=Acceptance.epsilon, help="typical acceptance: p >= min(eps, ...)")
-    ap.add_argument("--delta", type=float, default=Acceptance.delta, help="typical acceptance: ... delta * exp(-H))")
-    ap.add_argument("--adapter", default="shipped",
-                    help="drafter adapter the verifier reads: shipped (dialogue/weights), a path, or none")
-    ap.add_argument("--keep-weights", action="store_true",
-                    help="do not train: score the splits with the verifier at --out and rewrite its metadata "
-                         "(thresholds, operating points) only")
-    ap.add_argument("--no-conversations", action="store_true",
-                    help="single user turns only (no dialogue/training/multi_turn.py conversations)")
-    ap.add_argument("--labels", choices=("judge", "typical"), default="judge",
-                    help="judge: does committing the draft lose answer quality by the likelihood judge "
-                         "(dialogue/training/relay_labels.py); typical: typical acceptance of the draft's words")
-    ap.add_argument("--labels-out", type=Path, default=None,
-                    help="judge labels: where every draft's judge result is written (default: the shipped "
-                         "data/dialogue/relay_labels.jsonl, read before the cache; not written with --limit)")
-    ap.add_argument("--margin", type=float, default=None,
-                    help="judge labels: the per-token PMI a committed draft may lose and stay acceptable")
-    ap.add_argument("--restarts", type=int, default=3,
-                    help="train this many times (training seeds seed, seed+1, ...) and keep the best on validation: "
-                         "by the judge's loss at the latency point with judge labels, else by AUROC")
+    ap.add_argument(
+        "--epsilon", type=float, default=Acceptance.epsilon, help="typical acceptance: p >= min(eps, ...)"
+    )
+    ap.add_argument(
+        "--delta", type=float, default=Acceptance.delta, help="typical acceptance: ... delta * exp(-H))"
+    )
+    ap.add_argument(
+        "--adapter",
+        default="shipped",
+        help="drafter adapter the verifier reads: shipped (dialogue/weights), a path, or none",
+    )
+    ap.add_argument(
+        "--keep-weights",
+        action="store_true",
+        help="do not train: score the splits with the verifier at --out and rewrite its metadata "
+        "(thresholds, operating points) only",
+    )
+    ap.add_argument(
+        "--no-conversations",
+        action="store_true",
+        help="single user turns only (no dialogue/training/multi_turn.py conversations)",
+    )
+    ap.add_argument(
+        "--labels",
+        choices=("judge", "typical"),
+        default="judge",
+        help="judge: does committing the draft lose answer quality by the likelihood judge "
+        "(dialogue/training/relay_labels.py); typical: typical acceptance of the draft's words",
+    )
+    ap.add_argument(
+        "--labels-out",
+        type=Path,
+        default=None,
+        help="judge labels: where every draft's judge result is written (default: the shipped "
+        "data/dialogue/relay_labels.jsonl, read before the cache; not written with --limit)",
+    )
+    ap.add_argument(
+        "--margin",
+        type=float,
+        default=None,
+        help="judge labels: the per-token PMI a committed draft may lose and stay acceptable",
+    )
+    ap.add_argument(
+        "--restarts",
+        type=int,
+        default=3,
+        help="train this many times (training seeds seed, seed+1, ...) and keep the best on validation: "
+        "by the judge's loss at the latency point with judge labels, else by AUROC",
+    )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -316,8 +364,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         reasons[ex["reason"]] = reasons.get(ex["reason"], 0) + 1
     usable = [i for i, ex in enumerate(examples) if ex["hidden"].shape[0] > 0]
     print(f"labels: {label_rule}", file=sys.stderr)
-    print(f"labels: {sum(labels)}/{len(labels)} positive ({sum(labels) / len(labels):.1%}); {reasons}; "
-          f"{len(examples) - len(usable)} with no drafted token are left out", file=sys.stderr)
+    print(
+        f"labels: {sum(labels)}/{len(labels)} positive ({sum(labels) / len(labels):.1%}); {reasons}; "
+        f"{len(examples) - len(usable)} with no drafted token are left out",
+        file=sys.stderr,
+    )
 
     splits = split_groups(examples[:n_single], args.seed)
     for j, (_, split) in enumerate(multi):
@@ -327,36 +378,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     tensors = {k: collate([examples[i] for i in v]) for k, v in sets.items()}
     ys = {k: torch.tensor([labels[i] for i in v]) for k, v in sets.items()}
     for k in sets:
-        print(f"{k}: {len(sets[k])} examples, {int(ys[k].sum())} positive, "
-              f"{len({examples[i]['group'] for i in sets[k]})} groups", file=sys.stderr)
+        print(
+            f"{k}: {len(sets[k])} examples, {int(ys[k].sum())} positive, "
+            f"{len({examples[i]['group'] for i in sets[k]})} groups",
+            file=sys.stderr,
+        )
 
     cfg = TrainConfig(seed=args.seed)
     if args.keep_weights:
         model, _, old = V.load_verifier(args.out)
         info = dict(old.get("train") or {})
-        cfg = TrainConfig(**{k: v for k, v in (info.pop("config", None) or {}).items()
-                             if k in TrainConfig.__dataclass_fields__})
+        cfg = TrainConfig(
+            **{
+                k: v
+                for k, v in (info.pop("config", None) or {}).items()
+                if k in TrainConfig.__dataclass_fields__
+            }
+        )
     else:
         runs = []
         for k in range(max(1, args.restarts)):
             cfg_k = TrainConfig(seed=args.seed + k)
-            model_k, info_k = train_verifier(tensors["train"], ys["train"], tensors["val"], ys["val"], cfg_k, progress)
+            model_k, info_k = train_verifier(
+                tensors["train"], ys["train"], tensors["val"], ys["val"], cfg_k, progress
+            )
             p_k = predict(model_k, tensors["val"])
             if args.labels == "judge":
                 # what the relay loses on the validation drafts when it commits the share the latency
                 # point commits, the drafts taken in the order of this run's scores (lower is better)
-                info_k["val_relay_loss"] = RL.relay_loss(p_k.tolist(), [examples[i]["loss"] for i in sets["val"]],
-                                                         LATENCY_COMMIT)
+                info_k["val_relay_loss"] = RL.relay_loss(
+                    p_k.tolist(), [examples[i]["loss"] for i in sets["val"]], LATENCY_COMMIT
+                )
                 crit = -info_k["val_relay_loss"]
             else:
                 crit = float(info_k["best_val_auroc"])
-            print(f"training run {k + 1}/{args.restarts} (seed {cfg_k.seed}): val AUROC "
-                  f"{info_k['best_val_auroc']:.3f}" + (f", val relay loss {info_k['val_relay_loss']:.4f}"
-                                                        if "val_relay_loss" in info_k else ""), file=sys.stderr)
+            print(
+                f"training run {k + 1}/{args.restarts} (seed {cfg_k.seed}): val AUROC "
+                f"{info_k['best_val_auroc']:.3f}"
+                + (f", val relay loss {info_k['val_relay_loss']:.4f}" if "val_relay_loss" in info_k else ""),
+                file=sys.stderr,
+            )
             runs.append((crit, k, model_k, info_k, cfg_k))
         _, _, model, info, cfg = max(runs, key=lambda r: (r[0], -r[1]))
-        info["restarts"] = [{"seed": c.seed, "best_val_auroc": i["best_val_auroc"],
-                             "val_relay_loss": i.get("val_relay_loss")} for _, _, _, i, c in runs]
+        info["restarts"] = [
+            {"seed": c.seed, "best_val_auroc": i["best_val_auroc"], "val_relay_loss": i.get("val_relay_loss")}
+            for _, _, _, i, c in runs
+        ]
     p_val = predict(model, tensors["val"])
     thr = tune_threshold(p_val, ys["val"])
     thr_latency = V.commit_threshold(p_val, LATENCY_COMMIT)
@@ -379,13 +446,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ho["first_word_match_rate"] = sum(fw) / len(fw) if fw else float("nan")
     committed = [i for i, pp in zip(ho_idx, p_ho.tolist(), strict=True) if pp >= thr]
     ho["first_word_match_committed"] = (
-        sum(examples[i]["first_word_match"] for i in committed) / len(committed) if committed else float("nan")
+        sum(examples[i]["first_word_match"] for i in committed) / len(committed)
+        if committed
+        else float("nan")
     )
     ho["baselines"] = base
     # other operating points, for an engine that wants fewer but safer commits
     ho["operating_points"] = [
-        {"threshold": t} | {k: v for k, v in classify_metrics(p_ho, ys["heldout"], t).items()
-                            if k in ("commit_fraction", "committed", "precision_committed", "macro_f1")}
+        {"threshold": t}
+        | {
+            k: v
+            for k, v in classify_metrics(p_ho, ys["heldout"], t).items()
+            if k in ("commit_fraction", "committed", "precision_committed", "macro_f1")
+        }
         for t in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
     ]
     ho["latency"] = classify_metrics(p_ho, ys["heldout"], thr_latency)
@@ -393,7 +466,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if conv:
         p_conv, y_conv = p_ho[conv], ys["heldout"][conv]
         ho["conversations"] = classify_metrics(p_conv, y_conv, thr) | {
-            "auroc": auroc(p_conv, y_conv), "latency": classify_metrics(p_conv, y_conv, thr_latency)}
+            "auroc": auroc(p_conv, y_conv),
+            "latency": classify_metrics(p_conv, y_conv, thr_latency),
+        }
 
     n_params = sum(p.numel() for p in model.parameters())
     seconds = [float(ex["seconds"]) for ex in examples]
@@ -402,27 +477,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         "threshold": thr,
         # named operating points (models.yaml drafter.verifier_threshold); "balanced" is `threshold`
         "thresholds": {"latency": thr_latency},
-        "threshold_rules": {"balanced": "macro-F1 on the validation drafts",
-                            "latency": f"commits {LATENCY_COMMIT:.0%} of the latest {LATENCY_WINDOW} drafts "
-                                       f"(rolling; seeded with the validation drafts' scores, where it starts at "
-                                       f"the number given)"},
-        "rolling": {"latency": {"commit": LATENCY_COMMIT, "window": LATENCY_WINDOW,
-                                "prior": [round(float(x), 5) for x in p_val.tolist()]}},
+        "threshold_rules": {
+            "balanced": "macro-F1 on the validation drafts",
+            "latency": f"commits {LATENCY_COMMIT:.0%} of the latest {LATENCY_WINDOW} drafts "
+            f"(rolling; seeded with the validation drafts' scores, where it starts at "
+            f"the number given)",
+        },
+        "rolling": {
+            "latency": {
+                "commit": LATENCY_COMMIT,
+                "window": LATENCY_WINDOW,
+                "prior": [round(float(x), 5) for x in p_val.tolist()],
+            }
+        },
         "hidden_size": model.hidden_size,
         "dim": model.dim,
         "head_dim": cfg.head_dim,
         "params": n_params,
         "drafter": {k: DRAFTER[k] for k in ("name", "package", "file", "version", "sha256")}
-        | {"dtype": DTYPE, "adapter_sha256": adapter_sha256(adapter), "adapter": None if adapter is None else adapter.name},
+        | {
+            "dtype": DTYPE,
+            "adapter_sha256": adapter_sha256(adapter),
+            "adapter": None if adapter is None else adapter.name,
+        },
         "slow_model": slow_model_info(),
-        "draft_rule": {"max_words": V.MAX_DRAFT_WORDS, "max_tokens": V.MAX_DRAFT_TOKENS,
-                       "stop": "EOS/<|im_end|>, >= max_words complete words, sentence end (. ! ?), max_tokens",
-                       "prefix": "cut back to the last complete word (closing punctuation kept)"},
+        "draft_rule": {
+            "max_words": V.MAX_DRAFT_WORDS,
+            "max_tokens": V.MAX_DRAFT_TOKENS,
+            "stop": "EOS/<|im_end|>, >= max_words complete words, sentence end (. ! ?), max_tokens",
+            "prefix": "cut back to the last complete word (closing punctuation kept)",
+        },
         "label_rule": label_rule,
         "labels": args.labels,
         "acceptance": {"epsilon": acc.epsilon, "delta": acc.delta},
-        "judge_labels": ({"margin": margin, "answer_tokens": RL.LABEL_TOKENS, "version": RL.LABEL_VERSION}
-                         if args.labels == "judge" else None),
+        "judge_labels": (
+            {"margin": margin, "answer_tokens": RL.LABEL_TOKENS, "version": RL.LABEL_VERSION}
+            if args.labels == "judge"
+            else None
+        ),
         "data": {
             "prompts": len(prompts),
             "sources": by_source,
@@ -449,9 +541,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for ex in rng.sample(pool, min(10, len(pool))):
             print("  " + _show(ex), file=sys.stderr)
     print(f"\nheld-out: {json.dumps(ho, indent=1)}", file=sys.stderr)
-    print(f"threshold {thr:.3f}; val AUROC {val['auroc']:.3f}; params {n_params}; "
-          f"features {build_s:.0f}s, total {time.time() - t0:.0f}s; wrote {args.out} and {args.eval_out}",
-          file=sys.stderr)
+    print(
+        f"threshold {thr:.3f}; val AUROC {val['auroc']:.3f}; params {n_params}; "
+        f"features {build_s:.0f}s, total {time.time() - t0:.0f}s; wrote {args.out} and {args.eval_out}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -467,8 +561,11 @@ def save(model: V.Verifier, meta: Mapping[str, Any], out: Path) -> None:
     from safetensors.torch import save_file
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out),
-              metadata={"format": "duplex-relay-verifier-1"})
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(out),
+        metadata={"format": "duplex-relay-verifier-1"},
+    )
     out.with_suffix(".json").write_text(json.dumps(_finite(meta), indent=1) + "\n")
 
 
@@ -493,8 +590,18 @@ def write_eval(examples: Sequence[Mapping[str, Any]], idx: Iterable[int], out: P
             if is_corpus_debris(ex["history"], ex["text"]):
                 continue
             hist = [{"role": r, "content": c} for r, c in ex["history"]]
-            f.write(json.dumps({"history": hist, "text": ex["text"], "group": ex["group"], "source": ex["source"],
-                                "label": ex["label"]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "history": hist,
+                        "text": ex["text"],
+                        "group": ex["group"],
+                        "source": ex["source"],
+                        "label": ex["label"],
+                    }
+                )
+                + "\n"
+            )
 
 
 if __name__ == "__main__":

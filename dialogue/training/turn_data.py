@@ -79,46 +79,107 @@ HISTORY_CHARS = 300
 
 #: Words after which a thought is not over: a pause there is a hesitation, not the end of a turn.
 #: Determiners, possessives and conjunctions never end an English sentence ...
-ALWAYS_OPEN = frozenset("the a an my your our their its every and or but because if although though than "
-                        "whether um uh er very just also even".split())
+ALWAYS_OPEN = frozenset(
+    "the a an my your our their its every and or but because if although though than "
+    "whether um uh er very just also even".split()
+)
 #: ... prepositions do, when a wh-question strands them ("who are you talking to") or they are a
 #: verb's particle ("my laptop won't turn on") ...
-PREPOSITIONS = frozenset("to of for in on at with from by about into onto over under between through during "
-                         "without as like".split())
+PREPOSITIONS = frozenset(
+    "to of for in on at with from by about into onto over under between through during "
+    "without as like".split()
+)
 #: ... auxiliaries ("do" and "have" are main verbs too often to count) do in short replies ("yes I can") and embedded questions ("I don't know what it is") ...
-AUXILIARIES = frozenset("is are was were am be been being can could would will should shall may might "
-                        "must".split())
+AUXILIARIES = frozenset(
+    "is are was were am be been being can could would will should shall may might must".split()
+)
 #: ... subjects only in questions ("where is he") ...
 SUBJECTS = frozenset("i we they he she i'm we're they're you're it's there's i've we've i'd i'll".split())
 #: ... and these verbs only after a subject, a modal or "to", outside wh-questions ("what do you want")
-VERBS = frozenset("want wanna need like gonna trying wondering hoping planning supposed able let get make give "
-                  "take tell find bring send buy".split())
-_VERB_SUBJECTS = frozenset("to i we you they can could would will please i'm we're you're am are is was "
-                           "i'd we'd you'd".split())
-_QUANTITIES = frozenset("kind sort type lot lots some many much one all most part any each both none couple bit "
-                        "number piece half rest".split())
+VERBS = frozenset(
+    "want wanna need like gonna trying wondering hoping planning supposed able let get make give "
+    "take tell find bring send buy".split()
+)
+_VERB_SUBJECTS = frozenset(
+    "to i we you they can could would will please i'm we're you're am are is was i'd we'd you'd".split()
+)
+_QUANTITIES = frozenset(
+    "kind sort type lot lots some many much one all most part any each both none couple bit "
+    "number piece half rest".split()
+)
 _WH = frozenset("what who whom which where when why how whose".split())
 _REPLY = frozenset("yes no yeah nope yep sure okay ok".split())
-_PHRASAL = frozenset("""turn turned turns log logged logs sign signed come came comes go goes went get got gets hold
+_PHRASAL = frozenset(
+    """turn turned turns log logged logs sign signed come came comes go goes went get got gets hold
 held hang hung carry carried switch switched plug plugged move moved give gave keep kept put try tried take took
 show showed look looked sit sat stand stood fill filled figure figured work worked wait waited pick picked
-shut set break broke broken run ran calm back hurry cheer grow grew""".split())
+shut set break broke broken run ran calm back hurry cheer grow grew""".split()
+)
 _PARTICLES = frozenset("on in off up out over down back away around".split())
 #: first words that open a thought ("So ..." "Well ...")
 _DISCOURSE = frozenset("so well and but um uh actually because then anyway like also".split())
 #: short replies that are complete turns on their own, whatever the corpus holds
 STANDALONE = (
-    "yes", "no", "yeah", "yep", "nope", "sure", "okay", "ok", "thanks", "thank you", "hello", "hi", "hey",
-    "bye", "goodbye", "good", "great", "fine", "why", "how", "what", "who", "where", "when", "really",
-    "maybe", "please", "sorry", "I do", "I am", "I can", "I will", "I have", "I did", "I don't", "I'm not",
-    "you do", "you are", "you can", "it is", "it does", "I think so", "I know", "I see", "me too",
-    "of course", "not really", "I guess so", "how about you", "and you", "what about you", "so what",
+    "yes",
+    "no",
+    "yeah",
+    "yep",
+    "nope",
+    "sure",
+    "okay",
+    "ok",
+    "thanks",
+    "thank you",
+    "hello",
+    "hi",
+    "hey",
+    "bye",
+    "goodbye",
+    "good",
+    "great",
+    "fine",
+    "why",
+    "how",
+    "what",
+    "who",
+    "where",
+    "when",
+    "really",
+    "maybe",
+    "please",
+    "sorry",
+    "I do",
+    "I am",
+    "I can",
+    "I will",
+    "I have",
+    "I did",
+    "I don't",
+    "I'm not",
+    "you do",
+    "you are",
+    "you can",
+    "it is",
+    "it does",
+    "I think so",
+    "I know",
+    "I see",
+    "me too",
+    "of course",
+    "not really",
+    "I guess so",
+    "how about you",
+    "and you",
+    "what about you",
+    "so what",
 )
 
 _CODE = re.compile(r"```|[{}=<>\[\]|\\]|\bdef |\bimport |\(\)")
 #: a sentence ends at . ! ? followed by a space, but not after an initial or a title ("Arthur C. Clarke")
-_SENTENCE = re.compile(r"(?<![\s.][A-Z]\.)(?<!\b[Dd]r\.)(?<!\b[Mm]r\.)(?<!\b[Mm]s\.)(?<!\b[Ss]t\.)(?<!\bMrs\.)"
-                       r"(?<!\bvs\.)(?<!\betc\.)(?<=[.!?])\s+")
+_SENTENCE = re.compile(
+    r"(?<![\s.][A-Z]\.)(?<!\b[Dd]r\.)(?<!\b[Mm]r\.)(?<!\b[Mm]s\.)(?<!\b[Ss]t\.)(?<!\bMrs\.)"
+    r"(?<!\bvs\.)(?<!\betc\.)(?<=[.!?])\s+"
+)
 _ENDS_SENTENCE = re.compile(r"[.!?;:]$")
 
 
@@ -129,7 +190,7 @@ def clean_text(text: Any) -> str:
 
 
 def _word(token: str) -> str:
-    return token.strip(".,!?;:\"()").lower()
+    return token.strip('.,!?;:"()').lower()
 
 
 def _key(text: str) -> str:
@@ -173,13 +234,19 @@ def incomplete_after(words: Sequence[str]) -> bool:
     if w in AUXILIARIES:
         return not wh and len(sentence) >= 3 and sentence[0] not in _REPLY
     if w in SUBJECTS:  # "Do I?" "Can we?" are questions
-        return not wh and sentence[0] not in _REPLY and not (len(sentence) == 2 and prev in AUXILIARIES | {"do", "did"})
+        return (
+            not wh
+            and sentence[0] not in _REPLY
+            and not (len(sentence) == 2 and prev in AUXILIARIES | {"do", "did"})
+        )
     if w in VERBS:
         return not wh and prev in _VERB_SUBJECTS
     return False
 
 
-def listen_cuts(text: str, complete: set[str] | frozenset[str], max_cuts: int = 2, seed: Any = 0) -> list[str]:
+def listen_cuts(
+    text: str, complete: set[str] | frozenset[str], max_cuts: int = 2, seed: Any = 0
+) -> list[str]:
     """Up to `max_cuts` prefixes of `text` that stop where the thought cannot be over (`incomplete_after`).
 
     A cut never ends at a sentence boundary (a pause there may well be the end of the turn) and its
@@ -273,30 +340,95 @@ def _history(utts: Sequence[str], k: int) -> list[dict[str, str]]:
 
 #: what callers talk about; each (style, topic) prompt is sampled a few times
 TOPICS = (
-    "their bank account", "a restaurant booking", "a broken washing machine", "the weather this weekend",
-    "a trip to Paris", "their sick dog", "a job interview", "a lost package", "a flight delay",
-    "a doctor's appointment", "their internet connection", "a birthday party", "a hotel room",
-    "a parking ticket", "their phone bill", "a recipe for dinner", "a train ticket", "a noisy neighbour",
-    "their car that won't start", "a gift for their mother", "learning to play guitar", "a football match",
-    "their new apartment", "a refund for shoes", "a movie to watch tonight", "the opening hours of a shop",
-    "their lost wallet", "a math homework question", "a dentist visit", "a wedding", "their garden",
-    "a credit card charge", "a delayed pizza delivery", "booking a taxi", "a museum visit",
-    "a cold and a sore throat", "their cat", "a concert", "their laptop that is slow", "a school meeting",
-    "renting a car", "a gym membership", "moving house", "a power cut", "a recipe for pancakes",
-    "a holiday in Spain", "a bus timetable", "a leaking roof", "a new diet", "the news",
-    "a history question", "a science question", "their grandmother", "a lost passport", "an insurance claim",
-    "setting an alarm", "sending a message", "a restaurant recommendation", "a traffic jam",
-    "their kids' school", "a broken heater", "a coffee order", "a podcast", "a book they are reading",
-    "a camping trip", "their password", "an online order", "a haircut appointment", "a vet appointment",
-    "paying a bill", "a translation", "a tax question", "the time in Tokyo", "a road trip", "a baking accident",
+    "their bank account",
+    "a restaurant booking",
+    "a broken washing machine",
+    "the weather this weekend",
+    "a trip to Paris",
+    "their sick dog",
+    "a job interview",
+    "a lost package",
+    "a flight delay",
+    "a doctor's appointment",
+    "their internet connection",
+    "a birthday party",
+    "a hotel room",
+    "a parking ticket",
+    "their phone bill",
+    "a recipe for dinner",
+    "a train ticket",
+    "a noisy neighbour",
+    "their car that won't start",
+    "a gift for their mother",
+    "learning to play guitar",
+    "a football match",
+    "their new apartment",
+    "a refund for shoes",
+    "a movie to watch tonight",
+    "the opening hours of a shop",
+    "their lost wallet",
+    "a math homework question",
+    "a dentist visit",
+    "a wedding",
+    "their garden",
+    "a credit card charge",
+    "a delayed pizza delivery",
+    "booking a taxi",
+    "a museum visit",
+    "a cold and a sore throat",
+    "their cat",
+    "a concert",
+    "their laptop that is slow",
+    "a school meeting",
+    "renting a car",
+    "a gym membership",
+    "moving house",
+    "a power cut",
+    "a recipe for pancakes",
+    "a holiday in Spain",
+    "a bus timetable",
+    "a leaking roof",
+    "a new diet",
+    "the news",
+    "a history question",
+    "a science question",
+    "their grandmother",
+    "a lost passport",
+    "an insurance claim",
+    "setting an alarm",
+    "sending a message",
+    "a restaurant recommendation",
+    "a traffic jam",
+    "their kids' school",
+    "a broken heater",
+    "a coffee order",
+    "a podcast",
+    "a book they are reading",
+    "a camping trip",
+    "their password",
+    "an online order",
+    "a haircut appointment",
+    "a vet appointment",
+    "paying a bill",
+    "a translation",
+    "a tax question",
+    "the time in Tokyo",
+    "a road trip",
+    "a baking accident",
 )
 STYLES = {
     "question": ("The caller asks one short question about {topic}.", 40),
     "request": ("The caller asks the assistant to do something about {topic}, in one sentence.", 40),
-    "story": ("The caller first explains in three or four sentences what happened with {topic}, "
-              "and then asks for advice.", 100),
-    "narrative": ("The caller chats casually and tells a little story about {topic} in four sentences, "
-                  "starting with 'So'.", 100),
+    "story": (
+        "The caller first explains in three or four sentences what happened with {topic}, "
+        "and then asks for advice.",
+        100,
+    ),
+    "narrative": (
+        "The caller chats casually and tells a little story about {topic} in four sentences, "
+        "starting with 'So'.",
+        100,
+    ),
 }
 GREETINGS = (
     "Hi, this is your voice assistant. How can I help?",
@@ -353,22 +485,41 @@ def generate_lines(
             prompts = []
             for _, topic, i in chunk:
                 msgs = [
-                    {"role": "system", "content": "This is a transcript of a phone call between a caller and a "
-                     "voice assistant. " + instruction.format(topic=topic)
-                     + " The caller speaks casually, like a real person on the phone."},
+                    {
+                        "role": "system",
+                        "content": "This is a transcript of a phone call between a caller and a "
+                        "voice assistant. "
+                        + instruction.format(topic=topic)
+                        + " The caller speaks casually, like a real person on the phone.",
+                    },
                     {"role": "assistant", "content": GREETINGS[i % len(GREETINGS)]},
                 ]
                 prompts.append(tok.apply_chat_template(msgs, tokenize=False) + "<|im_start|>user\n")
             enc = tok(prompts, return_tensors="pt", padding=True)
             torch.manual_seed(seed * 1_000_003 + len(rows) + b)
             with torch.inference_mode():
-                out = model.generate(**enc, max_new_tokens=max_new, do_sample=True, temperature=0.8, top_p=0.95,
-                                     pad_token_id=tok.pad_token_id, eos_token_id=end_id)
+                out = model.generate(
+                    **enc,
+                    max_new_tokens=max_new,
+                    do_sample=True,
+                    temperature=0.8,
+                    top_p=0.95,
+                    pad_token_id=tok.pad_token_id,
+                    eos_token_id=end_id,
+                )
             for (st, topic, i), ids in zip(chunk, out[:, enc.input_ids.shape[1] :].tolist(), strict=True):
                 finished = end_id in ids
                 raw = tok.decode(ids[: ids.index(end_id)] if finished else ids, skip_special_tokens=True)
-                rows.append({"style": st, "topic": topic, "sample": i, "finished": finished, "raw": raw,
-                             "text": _accept_line(raw) if finished else None})
+                rows.append(
+                    {
+                        "style": st,
+                        "topic": topic,
+                        "sample": i,
+                        "finished": finished,
+                        "raw": raw,
+                        "text": _accept_line(raw) if finished else None,
+                    }
+                )
             bar.update(len(chunk))
     bar.close()
     write_jsonl(path, rows)
@@ -376,37 +527,91 @@ def generate_lines(
 
 
 #: templated stories: opener + event, follow-up, comment, then (usually) a question
-_OPENERS = ("So yesterday", "So last week", "Okay so this morning", "So the other day", "Well last night",
-            "So on Saturday", "So a few days ago", "Right so last month", "So earlier today", "So this weekend")
+_OPENERS = (
+    "So yesterday",
+    "So last week",
+    "Okay so this morning",
+    "So the other day",
+    "Well last night",
+    "So on Saturday",
+    "So a few days ago",
+    "Right so last month",
+    "So earlier today",
+    "So this weekend",
+)
 _EVENTS = (
-    "I went to the supermarket to buy some milk", "I took my car to the garage", "my sister called me",
-    "I was waiting for the bus", "we drove down to the beach", "I tried to pay my phone bill online",
-    "my landlord knocked on the door", "I went to see the doctor about my knee", "I ordered a pizza",
-    "my son came home from school early", "I was cooking dinner for my parents", "the power went out",
-    "I got a letter from the bank", "I was walking the dog in the park", "my flight to Madrid got cancelled",
-    "I started a new job at the hospital", "my neighbour started drilling at seven", "I lost my keys",
-    "I went to the post office to send a parcel", "my laptop stopped working", "I met an old friend in town",
-    "I went running by the river", "my daughter had her football final", "I booked a table at a new restaurant",
-    "the washing machine flooded the kitchen", "I tried to return a jacket", "my train was forty minutes late",
-    "we had a little party for my grandmother", "I planted tomatoes in the garden", "my boss called me in",
+    "I went to the supermarket to buy some milk",
+    "I took my car to the garage",
+    "my sister called me",
+    "I was waiting for the bus",
+    "we drove down to the beach",
+    "I tried to pay my phone bill online",
+    "my landlord knocked on the door",
+    "I went to see the doctor about my knee",
+    "I ordered a pizza",
+    "my son came home from school early",
+    "I was cooking dinner for my parents",
+    "the power went out",
+    "I got a letter from the bank",
+    "I was walking the dog in the park",
+    "my flight to Madrid got cancelled",
+    "I started a new job at the hospital",
+    "my neighbour started drilling at seven",
+    "I lost my keys",
+    "I went to the post office to send a parcel",
+    "my laptop stopped working",
+    "I met an old friend in town",
+    "I went running by the river",
+    "my daughter had her football final",
+    "I booked a table at a new restaurant",
+    "the washing machine flooded the kitchen",
+    "I tried to return a jacket",
+    "my train was forty minutes late",
+    "we had a little party for my grandmother",
+    "I planted tomatoes in the garden",
+    "my boss called me in",
 )
 _FOLLOWS = (
-    "And then the man at the counter told me it was closed", "But then it started to rain really hard",
-    "And after that nobody would answer the phone", "Then they said it would take two more weeks",
-    "And they charged me twice for the same thing", "So I waited there for about an hour",
-    "And my card got declined at the till", "And of course the battery was completely dead",
-    "But the app kept saying there was an error", "Then my brother showed up out of nowhere",
-    "And everybody in the queue started complaining", "So I had to walk all the way back home",
-    "And the receipt was nowhere to be found", "Then the dog ran off after a squirrel",
-    "And it turned out they had given me the wrong order", "But the doctor said it was nothing serious",
-    "And then the lights came back on", "So I called customer service three times",
+    "And then the man at the counter told me it was closed",
+    "But then it started to rain really hard",
+    "And after that nobody would answer the phone",
+    "Then they said it would take two more weeks",
+    "And they charged me twice for the same thing",
+    "So I waited there for about an hour",
+    "And my card got declined at the till",
+    "And of course the battery was completely dead",
+    "But the app kept saying there was an error",
+    "Then my brother showed up out of nowhere",
+    "And everybody in the queue started complaining",
+    "So I had to walk all the way back home",
+    "And the receipt was nowhere to be found",
+    "Then the dog ran off after a squirrel",
+    "And it turned out they had given me the wrong order",
+    "But the doctor said it was nothing serious",
+    "And then the lights came back on",
+    "So I called customer service three times",
 )
-_COMMENTS = ("It was honestly so annoying", "I was really surprised", "Everyone thought it was hilarious",
-             "I didn't know what to do", "It was a pretty long day", "I was so tired afterwards",
-             "My wife was not happy about it", "It all felt a bit strange")
-_ASKS = ("What do you think I should do?", "Is that normal?", "Can you help me sort it out?",
-         "Should I call them again?", "Do you know who I should contact?", "How do I get my money back?",
-         "What would you do?", "Can you remind me to follow up tomorrow?", "Is there anything I can do about it?")
+_COMMENTS = (
+    "It was honestly so annoying",
+    "I was really surprised",
+    "Everyone thought it was hilarious",
+    "I didn't know what to do",
+    "It was a pretty long day",
+    "I was so tired afterwards",
+    "My wife was not happy about it",
+    "It all felt a bit strange",
+)
+_ASKS = (
+    "What do you think I should do?",
+    "Is that normal?",
+    "Can you help me sort it out?",
+    "Should I call them again?",
+    "Do you know who I should contact?",
+    "How do I get my money back?",
+    "What would you do?",
+    "Can you remind me to follow up tomorrow?",
+    "Is there anything I can do about it?",
+)
 
 
 def template_stories(n: int = 360, seed: int = 0) -> list[tuple[str, str]]:
@@ -429,15 +634,60 @@ def template_stories(n: int = 360, seed: int = 0) -> list[tuple[str, str]]:
 #: "mm-hmm" point, so heads trained on them (and on the ASR's transcripts, where a cut's last word often
 #: comes back as a name: "with my" -> "with Mai.") kept listening after a bare introduction
 _INTRODUCTIONS = (
-    "Hello, my name is {n}.", "Hi, I'm {n}.", "My name is {n}.", "Hi there, this is {n}.", "Hey, it's {n}.",
-    "Hello, I'm {n}, nice to meet you.", "Good morning, my name is {n}.", "Hi, my name's {n}.",
-    "This is {n} speaking.", "Hello, this is {n} calling.", "Hi, {n} here.", "Good evening, I'm {n}.",
+    "Hello, my name is {n}.",
+    "Hi, I'm {n}.",
+    "My name is {n}.",
+    "Hi there, this is {n}.",
+    "Hey, it's {n}.",
+    "Hello, I'm {n}, nice to meet you.",
+    "Good morning, my name is {n}.",
+    "Hi, my name's {n}.",
+    "This is {n} speaking.",
+    "Hello, this is {n} calling.",
+    "Hi, {n} here.",
+    "Good evening, I'm {n}.",
 )
 _NAMES = (
-    "Anna", "James", "Maria", "David", "Sofia", "Michael", "Emma", "Daniel", "Olivia", "Lucas", "Mia", "Noah",
-    "Chloe", "Ethan", "Grace", "Omar", "Priya", "Chen", "Fatima", "Lars", "Yuki", "Carlos", "Hannah", "Tom",
-    "Aisha", "Peter", "Laura", "Ivan", "Nora", "Ben", "Sara", "Leo", "Julia", "Raj", "Elena", "Sam", "Kate",
-    "Mohammed", "Lily", "Jack",
+    "Anna",
+    "James",
+    "Maria",
+    "David",
+    "Sofia",
+    "Michael",
+    "Emma",
+    "Daniel",
+    "Olivia",
+    "Lucas",
+    "Mia",
+    "Noah",
+    "Chloe",
+    "Ethan",
+    "Grace",
+    "Omar",
+    "Priya",
+    "Chen",
+    "Fatima",
+    "Lars",
+    "Yuki",
+    "Carlos",
+    "Hannah",
+    "Tom",
+    "Aisha",
+    "Peter",
+    "Laura",
+    "Ivan",
+    "Nora",
+    "Ben",
+    "Sara",
+    "Leo",
+    "Julia",
+    "Raj",
+    "Elena",
+    "Sam",
+    "Kate",
+    "Mohammed",
+    "Lily",
+    "Jack",
 )
 
 
@@ -445,17 +695,28 @@ def template_introductions(per_name: int = 3, seed: int = 0) -> list[tuple[str, 
     """(group, introduction): a few introductions per name; the group is the name, so held-out
     introductions are of names the heads never heard."""
     rng = random.Random(f"introductions:{seed}")
-    return [(f"tpl-intro:{name}", form.format(n=name))
-            for name in _NAMES for form in rng.sample(_INTRODUCTIONS, per_name)]
+    return [
+        (f"tpl-intro:{name}", form.format(n=name))
+        for name in _NAMES
+        for form in rng.sample(_INTRODUCTIONS, per_name)
+    ]
 
 
 # -- turn examples --------------------------------------------------------------------------------
 
 
-def _example(text: str, history: list[dict[str, str]], label: int, head: str, source: str, group: str,
-             kind: str) -> dict[str, Any]:
-    return {"text": normalize_user_text(text), "history": history, "label": int(label), "head": head,
-            "source": source, "group": group, "kind": kind}
+def _example(
+    text: str, history: list[dict[str, str]], label: int, head: str, source: str, group: str, kind: str
+) -> dict[str, Any]:
+    return {
+        "text": normalize_user_text(text),
+        "history": history,
+        "label": int(label),
+        "head": head,
+        "source": source,
+        "group": group,
+        "kind": kind,
+    }
 
 
 def turn_examples(generated: Iterable[Mapping[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
@@ -467,8 +728,14 @@ def turn_examples(generated: Iterable[Mapping[str, Any]], seed: int = 0) -> list
     for n, row in enumerate(generated):
         if row.get("text"):
             hist = [{"role": "assistant", "content": GREETINGS[int(row.get("sample", 0)) % len(GREETINGS)]}]
-            units.append((f"generated/{row['style']}", f"gen:{row['style']}:{n}", str(row["text"]),
-                          hist if _rng("hist", n).random() < 0.5 else []))
+            units.append(
+                (
+                    f"generated/{row['style']}",
+                    f"gen:{row['style']}:{n}",
+                    str(row["text"]),
+                    hist if _rng("hist", n).random() < 0.5 else [],
+                )
+            )
     for group, story in template_stories(seed=seed):
         units.append(("template/story", group, story, []))
     for group, intro in template_introductions(seed=seed):
@@ -487,7 +754,9 @@ def turn_examples(generated: Iterable[Mapping[str, Any]], seed: int = 0) -> list
         if source != "template/story" or is_question(sentences(text)[-1]):
             out.append(_example(text, hist, SPEAK, "turn", source, group, "complete"))
         n_words = len(text.split())
-        for cut in listen_cuts(text, complete, max_cuts=1 if n_words < 6 else 2 if n_words < 16 else 3, seed=seed):
+        for cut in listen_cuts(
+            text, complete, max_cuts=1 if n_words < 6 else 2 if n_words < 16 else 3, seed=seed
+        ):
             if _key(cut) not in seen:
                 seen.add(_key(cut))
                 out.append(_example(cut, hist, LISTEN, "turn", source, group, "cut"))
@@ -516,46 +785,216 @@ def turn_examples(generated: Iterable[Mapping[str, Any]], seed: int = 0) -> list
 
 #: backchannels: one group per base form, so held-out forms are ones the head never saw
 BACKCHANNELS = (
-    "yeah", "yes", "yep", "yup", "uh-huh", "uh huh", "mhm", "mm-hmm", "mm hmm", "hmm", "mm", "right", "okay",
-    "ok", "alright", "all right", "sure", "got it", "true", "exactly", "I see", "oh really", "really", "wow",
-    "oh wow", "nice", "cool", "great", "interesting", "of course", "totally", "definitely", "absolutely",
-    "makes sense", "that makes sense", "fair enough", "oh", "ah", "I know", "oh I see", "oh okay", "oh nice",
-    "sounds good", "perfect", "good", "indeed", "go on", "I hear you", "no kidding", "oh my god", "oh no",
-    "aha", "yeah totally", "right right", "yeah yeah", "okay okay", "uh-huh yeah", "that's true",
-    "that's right", "that's great", "gotcha", "for sure", "yes yes", "mm okay", "ah okay", "oh yeah",
+    "yeah",
+    "yes",
+    "yep",
+    "yup",
+    "uh-huh",
+    "uh huh",
+    "mhm",
+    "mm-hmm",
+    "mm hmm",
+    "hmm",
+    "mm",
+    "right",
+    "okay",
+    "ok",
+    "alright",
+    "all right",
+    "sure",
+    "got it",
+    "true",
+    "exactly",
+    "I see",
+    "oh really",
+    "really",
+    "wow",
+    "oh wow",
+    "nice",
+    "cool",
+    "great",
+    "interesting",
+    "of course",
+    "totally",
+    "definitely",
+    "absolutely",
+    "makes sense",
+    "that makes sense",
+    "fair enough",
+    "oh",
+    "ah",
+    "I know",
+    "oh I see",
+    "oh okay",
+    "oh nice",
+    "sounds good",
+    "perfect",
+    "good",
+    "indeed",
+    "go on",
+    "I hear you",
+    "no kidding",
+    "oh my god",
+    "oh no",
+    "aha",
+    "yeah totally",
+    "right right",
+    "yeah yeah",
+    "okay okay",
+    "uh-huh yeah",
+    "that's true",
+    "that's right",
+    "that's great",
+    "gotcha",
+    "for sure",
+    "yes yes",
+    "mm okay",
+    "ah okay",
+    "oh yeah",
 )
 #: interruption openers; alone or followed by a new request. One group per opener family.
 STOPPERS = (
-    "stop", "wait", "hold on", "hang on", "sorry", "excuse me", "no", "actually", "never mind", "one second",
-    "just a second", "wait a minute", "hey", "okay stop", "stop stop", "wait wait", "no no", "sorry to interrupt",
-    "let me stop you there", "hold up", "hey hey", "no stop", "sorry but", "um excuse me", "wait a second",
-    "ok wait", "actually wait", "no no no", "stop please", "please stop", "enough",
+    "stop",
+    "wait",
+    "hold on",
+    "hang on",
+    "sorry",
+    "excuse me",
+    "no",
+    "actually",
+    "never mind",
+    "one second",
+    "just a second",
+    "wait a minute",
+    "hey",
+    "okay stop",
+    "stop stop",
+    "wait wait",
+    "no no",
+    "sorry to interrupt",
+    "let me stop you there",
+    "hold up",
+    "hey hey",
+    "no stop",
+    "sorry but",
+    "um excuse me",
+    "wait a second",
+    "ok wait",
+    "actually wait",
+    "no no no",
+    "stop please",
+    "please stop",
+    "enough",
 )
 #: the stoppers that open a turn rather than make one ("no", "sorry", "never mind" can be whole answers)
-TURN_OPENERS = tuple(s for s in STOPPERS if s not in ("no", "no no", "no no no", "sorry", "never mind", "enough", "hey",
-                                                       "hey hey"))
+TURN_OPENERS = tuple(
+    s
+    for s in STOPPERS
+    if s not in ("no", "no no", "no no no", "sorry", "never mind", "enough", "hey", "hey hey")
+)
 #: interruptions that stand alone
 STANDALONE_INTERRUPTIONS = (
-    "stop talking", "be quiet", "that's enough", "shut up", "cancel that", "nope", "wait what", "sorry what",
-    "what", "can you repeat that", "say that again", "I didn't get that", "slow down", "that's wrong",
-    "that's not what I asked", "you're wrong", "not that", "I have a question", "can I ask something",
-    "quick question", "let me ask you something", "no I meant something else", "that's not right",
-    "I already know that", "skip that", "go back", "start over", "can you speak louder", "pardon",
-    "what did you say", "you misunderstood me", "forget it", "change of plans", "I need to go",
+    "stop talking",
+    "be quiet",
+    "that's enough",
+    "shut up",
+    "cancel that",
+    "nope",
+    "wait what",
+    "sorry what",
+    "what",
+    "can you repeat that",
+    "say that again",
+    "I didn't get that",
+    "slow down",
+    "that's wrong",
+    "that's not what I asked",
+    "you're wrong",
+    "not that",
+    "I have a question",
+    "can I ask something",
+    "quick question",
+    "let me ask you something",
+    "no I meant something else",
+    "that's not right",
+    "I already know that",
+    "skip that",
+    "go back",
+    "start over",
+    "can you speak louder",
+    "pardon",
+    "what did you say",
+    "you misunderstood me",
+    "forget it",
+    "change of plans",
+    "I need to go",
 )
 #: "yes, but ...": agreeing words that turn into a new request
-BUT_OPENERS = ("yeah but", "okay but", "right but", "sure but", "yes but", "mm-hmm but", "uh-huh but",
-               "I see but", "alright but", "okay and", "oh and", "yeah and", "right and", "great but")
-_ABOUT = ("the price", "tomorrow", "Tuesday", "the weekend", "my other account", "the kids", "London",
-          "the second one", "dinner", "the return flight", "parking", "the weather", "my appointment",
-          "the other option", "next week", "the deposit", "breakfast", "the train", "my order", "the refund")
-_CONTINUE = ("what about {x}", "what about {x} though", "how about {x}", "can you check {x} instead",
-             "what does that mean for {x}", "I meant {x}", "I was asking about {x}", "tell me about {x} instead")
+BUT_OPENERS = (
+    "yeah but",
+    "okay but",
+    "right but",
+    "sure but",
+    "yes but",
+    "mm-hmm but",
+    "uh-huh but",
+    "I see but",
+    "alright but",
+    "okay and",
+    "oh and",
+    "yeah and",
+    "right and",
+    "great but",
+)
+_ABOUT = (
+    "the price",
+    "tomorrow",
+    "Tuesday",
+    "the weekend",
+    "my other account",
+    "the kids",
+    "London",
+    "the second one",
+    "dinner",
+    "the return flight",
+    "parking",
+    "the weather",
+    "my appointment",
+    "the other option",
+    "next week",
+    "the deposit",
+    "breakfast",
+    "the train",
+    "my order",
+    "the refund",
+)
+_CONTINUE = (
+    "what about {x}",
+    "what about {x} though",
+    "how about {x}",
+    "can you check {x} instead",
+    "what does that mean for {x}",
+    "I meant {x}",
+    "I was asking about {x}",
+    "tell me about {x} instead",
+)
 #: plain questions a caller might ask over the answer (one group each: their own wording)
-_QUESTIONS = ("what is two plus two", "what time is it", "how much does it cost", "where is the nearest pharmacy",
-              "can you call my wife", "what's the weather tomorrow", "who won the game last night",
-              "how long will it take", "can you repeat the address", "when does the store close",
-              "is it going to rain", "what's my balance", "can you book it for Friday", "how do I get there")
+_QUESTIONS = (
+    "what is two plus two",
+    "what time is it",
+    "how much does it cost",
+    "where is the nearest pharmacy",
+    "can you call my wife",
+    "what's the weather tomorrow",
+    "who won the game last night",
+    "how long will it take",
+    "can you repeat the address",
+    "when does the store close",
+    "is it going to rain",
+    "what's my balance",
+    "can you book it for Friday",
+    "how do I get there",
+)
 
 
 def _variants(form: str, rng: random.Random) -> list[str]:
@@ -594,15 +1033,33 @@ def overlap_examples(
         # two backchannels in a row are one ("oh okay, got it") ...
         for other in rng.sample(BACKCHANNELS, 4):
             if other != form:
-                raw.append((f"{form}{rng.choice((' ', ', ', '. '))}{other}", 0, "template/backchannel", group,
-                            "backchannel"))
+                raw.append(
+                    (
+                        f"{form}{rng.choice((' ', ', ', '. '))}{other}",
+                        0,
+                        "template/backchannel",
+                        group,
+                        "backchannel",
+                    )
+                )
         # ... but one that goes on into a stop or a new request is an interruption (same group:
         # the split keeps each contrast on one side)
         s = rng.choice(STOPPERS)
         raw.append((f"{form}, {s}", 1, "template/backchannel+stop", group, "backchannel+stop"))
-        q = rng.choice(_CONTINUE).format(x=rng.choice(_ABOUT)) if rng.random() < 0.5 else rng.choice(_QUESTIONS)
-        raw.append((f"{form}{rng.choice((' ', ', ', '. '))}{q}", 1, "template/backchannel+request", group,
-                    "backchannel+request"))
+        q = (
+            rng.choice(_CONTINUE).format(x=rng.choice(_ABOUT))
+            if rng.random() < 0.5
+            else rng.choice(_QUESTIONS)
+        )
+        raw.append(
+            (
+                f"{form}{rng.choice((' ', ', ', '. '))}{q}",
+                1,
+                "template/backchannel+request",
+                group,
+                "backchannel+request",
+            )
+        )
     for s in STOPPERS:
         for v in sorted({s, s[:1].upper() + s[1:], f"{s}, {s}" if len(s.split()) == 1 else s}):
             raw.append((v, 1, "template/stop", f"int:{s}", "stop"))
@@ -616,7 +1073,9 @@ def overlap_examples(
     for bi, b in enumerate(BUT_OPENERS):
         for _ in range(6):
             x = rng.choice(_ABOUT)
-            raw.append((f"{b} {rng.choice(_CONTINUE).format(x=x)}", 1, "template/yes-but", f"but:{bi}", "yes-but"))
+            raw.append(
+                (f"{b} {rng.choice(_CONTINUE).format(x=x)}", 1, "template/yes-but", f"but:{bi}", "yes-but")
+            )
     for source, group, q in questions:
         raw.append((q, 1, source, group, "question"))
         for _ in range(per_question):
@@ -636,8 +1095,24 @@ def overlap_examples(
 
 def _is_request(text: str) -> bool:
     first = _word(text.split()[0]) if text.split() else ""
-    return text.endswith("?") or first in {"can", "could", "would", "please", "tell", "book", "find", "call",
-                                           "show", "play", "set", "send", "check", "give", "help", "remind"}
+    return text.endswith("?") or first in {
+        "can",
+        "could",
+        "would",
+        "please",
+        "tell",
+        "book",
+        "find",
+        "call",
+        "show",
+        "play",
+        "set",
+        "send",
+        "check",
+        "give",
+        "help",
+        "remind",
+    }
 
 
 # -- assembly -------------------------------------------------------------------------------------
@@ -652,7 +1127,6 @@ def build_examples(
     generated = generate_lines(generated_path, seed=seed, progress=progress)
     turn = turn_examples(generated, seed=seed)
     if heard:
-
         turn += heard_variants(turn, read_heard())
     questions: list[tuple[str, str, str]] = []
     for group, utts in corpus_conversations():
@@ -749,7 +1223,9 @@ def heard_variants(examples: Iterable[Mapping[str, Any]], heard: Mapping[str, st
             continue
         if normalize_user_text(h).lower() == normalize_user_text(str(ex["text"])).lower():
             continue
-        out.append(dict(ex) | {"text": h, "kind": f"{ex.get('kind', '')}{HEARD_KIND}", "heard_from": ex["text"]})
+        out.append(
+            dict(ex) | {"text": h, "kind": f"{ex.get('kind', '')}{HEARD_KIND}", "heard_from": ex["text"]}
+        )
     return out
 
 

@@ -19,10 +19,12 @@ from typing import Generic, Protocol, TypeVar, runtime_checkable
 StateT = TypeVar("StateT")
 InT = TypeVar("InT")
 OutT = TypeVar("OutT")
+# a protocol's input type variable is contravariant (a stage taking a wider input is a stage)
+InT_contra = TypeVar("InT_contra", contravariant=True)
 
 
 @runtime_checkable
-class StreamingStage(Protocol[StateT, InT, OutT]):
+class StreamingStage(Protocol[StateT, InT_contra, OutT]):
     """What the session core and the device executor need from a stage."""
 
     #: executor job kind, also the key of the stage's latency budget in models.yaml
@@ -30,9 +32,9 @@ class StreamingStage(Protocol[StateT, InT, OutT]):
 
     def init_state(self) -> StateT: ...
 
-    def step(self, state: StateT, chunk: InT) -> tuple[OutT, StateT]: ...
+    def step(self, state: StateT, chunk: InT_contra) -> tuple[OutT, StateT]: ...
 
-    def step_batch(self, items: Sequence[tuple[StateT, InT]]) -> list[tuple[OutT, StateT]]: ...
+    def step_batch(self, items: Sequence[tuple[StateT, InT_contra]]) -> list[tuple[OutT, StateT]]: ...
 
 
 class SequentialBatchMixin(Generic[StateT, InT, OutT]):

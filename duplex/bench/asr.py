@@ -50,7 +50,7 @@ def bench(stage: Any, sessions: int, audio: np.ndarray, stagger: int = 3) -> dic
             if k < 0 or k > n_chunks:
                 continue
             final = k == n_chunks
-            samples = audio[k * chunk: (k + 1) * chunk] if not final else np.zeros(0, np.float32)
+            samples = audio[k * chunk : (k + 1) * chunk] if not final else np.zeros(0, np.float32)
             audio_s += samples.size / SR
             items.append((states[s], AsrChunk(samples, transcribe=True, final=final)))
             idx.append(s)
@@ -66,12 +66,16 @@ def bench(stage: Any, sessions: int, audio: np.ndarray, stagger: int = 3) -> dic
         steps.append(dt)
         per_stream.append(dt / len(items))
     chunk_s = stage.m.chunk_ms / 1000
-    return {"sessions": sessions, "n_steps": len(steps),
-            "step_ms_p50": round(1000 * float(np.percentile(steps, 50)), 2),
-            "step_ms_p90": round(1000 * float(np.percentile(steps, 90)), 2),
-            "per_stream_chunk_ms_p50": round(1000 * float(np.percentile(per_stream, 50)), 2),
-            "rtf": round(sum(steps) / max(audio_s, 1e-9), 4), "chunk_ms": stage.m.chunk_ms,
-            "real_time": bool(np.percentile(steps, 90) <= chunk_s)}
+    return {
+        "sessions": sessions,
+        "n_steps": len(steps),
+        "step_ms_p50": round(1000 * float(np.percentile(steps, 50)), 2),
+        "step_ms_p90": round(1000 * float(np.percentile(steps, 90)), 2),
+        "per_stream_chunk_ms_p50": round(1000 * float(np.percentile(per_stream, 50)), 2),
+        "rtf": round(sum(steps) / max(audio_s, 1e-9), 4),
+        "chunk_ms": stage.m.chunk_ms,
+        "real_time": bool(np.percentile(steps, 90) <= chunk_s),
+    }
 
 
 def run(args: Any) -> int:
@@ -101,15 +105,23 @@ def run(args: Any) -> int:
             if budget is not None:
                 row["within_budget"] = row["step_ms_p90"] <= budget
             rows.append(row)
-            print(f"lookahead {stage.m.lookahead_ms:5.0f} ms chunk {stage.m.chunk_ms:5.0f} ms  sessions {n:3d}: "
-                  f"step P50/P90 {row['step_ms_p50']:.1f}/{row['step_ms_p90']:.1f} ms (n={row['n_steps']}), "
-                  f"{row['per_stream_chunk_ms_p50']:.2f} ms per stream-chunk, RTF {row['rtf']:.3f}, "
-                  f"real time: {'yes' if row['real_time'] else 'NO'}"
-                  + (f", within {budget:g} ms: {'yes' if row['within_budget'] else 'NO'}" if budget else ""),
-                  flush=True)
-    result = {"model": str(source), "device": device, "threads": torch.get_num_threads(),
-              "params": sum(p.numel() for p in model.parameters()), "audio_seconds_per_session": audio.size / SR,
-              "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}
+            print(
+                f"lookahead {stage.m.lookahead_ms:5.0f} ms chunk {stage.m.chunk_ms:5.0f} ms  sessions {n:3d}: "
+                f"step P50/P90 {row['step_ms_p50']:.1f}/{row['step_ms_p90']:.1f} ms (n={row['n_steps']}), "
+                f"{row['per_stream_chunk_ms_p50']:.2f} ms per stream-chunk, RTF {row['rtf']:.3f}, "
+                f"real time: {'yes' if row['real_time'] else 'NO'}"
+                + (f", within {budget:g} ms: {'yes' if row['within_budget'] else 'NO'}" if budget else ""),
+                flush=True,
+            )
+    result = {
+        "model": str(source),
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "params": sum(p.numel() for p in model.parameters()),
+        "audio_seconds_per_session": audio.size / SR,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "rows": rows,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "asr-bench.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -129,8 +141,12 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for la in sorted({r["lookahead_ms"] for r in rows}):
         rs = [r for r in rows if r["lookahead_ms"] == la]
-        line = ax.plot([r["sessions"] for r in rs], [r["step_ms_p90"] for r in rs], marker="o",
-                       label=f"lookahead {la:g} ms")[0]
+        line = ax.plot(
+            [r["sessions"] for r in rs],
+            [r["step_ms_p90"] for r in rs],
+            marker="o",
+            label=f"lookahead {la:g} ms",
+        )[0]
         ax.axhline(rs[0]["chunk_ms"], color=line.get_color(), linestyle=":", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent sessions (one batched step per chunk)")

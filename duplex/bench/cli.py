@@ -20,8 +20,10 @@ def main(args: argparse.Namespace) -> int:
     """`duplex bench`: see the module docstring."""
     transports = _transports(getattr(args, "transport", None))
     if transports is None:
-        print("duplex bench: --transport takes 'all' or a comma list of native, twilio, audiosocket, realtime",
-              file=sys.stderr)
+        print(
+            "duplex bench: --transport takes 'all' or a comma list of native, twilio, audiosocket, realtime",
+            file=sys.stderr,
+        )
         return 2
     if not transports and (args.turns < 0 or args.barge_ins < 0 or args.turns + args.barge_ins == 0):
         print("duplex bench: --turns and --barge-ins must be >= 0 and not both 0", file=sys.stderr)
@@ -31,15 +33,20 @@ def main(args: argparse.Namespace) -> int:
         try:
             options = json.loads(args.session)
         except ValueError as exc:
-            print(f"duplex bench: --session is not JSON ({exc}); e.g. --session '{{\"relay\": true}}'",
-                  file=sys.stderr)
+            print(
+                f"duplex bench: --session is not JSON ({exc}); e.g. --session '{{\"relay\": true}}'",
+                file=sys.stderr,
+            )
             return 2
         if not isinstance(options, dict):
             print("duplex bench: --session must be a JSON object of session options", file=sys.stderr)
             return 2
     tones = bool(getattr(args, "tones", False))
     if tones and not (args.serve and transports):
-        print("duplex bench: --tones needs --serve and --transport (it measures the adapters alone)", file=sys.stderr)
+        print(
+            "duplex bench: --tones needs --serve and --transport (it measures the adapters alone)",
+            file=sys.stderr,
+        )
         return 2
     url = args.url
     audiosocket = None
@@ -61,7 +68,9 @@ def main(args: argparse.Namespace) -> int:
             if tones:
                 from duplex.testing.fakes import fake_stages, scripted_answer
 
-                print("duplex bench: tone stages in this process (--tones): the adapters' own cost, no models")
+                print(
+                    "duplex bench: tone stages in this process (--tones): the adapters' own cost, no models"
+                )
                 service = DuplexService(load_profile(args.profile), fake_stages(scripted_answer))
             else:
                 print("duplex bench: loading the service in this process (--serve) ...", flush=True)
@@ -82,8 +91,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         if transports:
             return _bench_transports(url, transports, audiosocket, args, tones)
-        result = asyncio.run(run_bench(url, args.turns, args.barge_ins, out_dir=args.out,
-                                       session_options=options))
+        result = asyncio.run(
+            run_bench(url, args.turns, args.barge_ins, out_dir=args.out, session_options=options)
+        )
     except BenchError as exc:
         print(f"duplex bench: {exc}", file=sys.stderr)
         return 2
@@ -116,8 +126,13 @@ def _transports(value: str | None) -> list[str] | None:
     return list(dict.fromkeys(names))
 
 
-def _bench_transports(url: str, transports: list[str], audiosocket: tuple[str, int] | None,
-                      args: argparse.Namespace, tones: bool) -> int:
+def _bench_transports(
+    url: str,
+    transports: list[str],
+    audiosocket: tuple[str, int] | None,
+    args: argparse.Namespace,
+    tones: bool,
+) -> int:
     from duplex.bench.transport import (
         format_transport_table,
         plot_transport_results,
@@ -137,13 +152,21 @@ def _bench_transports(url: str, transports: list[str], audiosocket: tuple[str, i
         print("loading hibari for the prompts ...", flush=True)
         speech = synthesise_prompts(prompts, HibariSynth())
     rounds = max(1, args.rounds)
-    result = asyncio.run(run_transport_bench(base, transports, prompts, speech, audiosocket=audiosocket, rounds=rounds))
-    result["settings"] = {"url": url, "transports": transports, "prompts": prompts, "rounds": rounds,
-                          "tones": tones, "audiosocket": audiosocket, "started_at": time.time()}
+    result = asyncio.run(
+        run_transport_bench(base, transports, prompts, speech, audiosocket=audiosocket, rounds=rounds)
+    )
+    result["settings"] = {
+        "url": url,
+        "transports": transports,
+        "prompts": prompts,
+        "rounds": rounds,
+        "tones": tones,
+        "audiosocket": audiosocket,
+        "started_at": time.time(),
+    }
     path = write_transport_outputs(result, args.out)
     png = plot_transport_results(result, Path(args.out) / "bench-transport.png")
     print()
     print(format_transport_table(result))
     print(f"\nwrote {path} and {png}")
     return 1 if any(row["failed"] for row in result["transports"].values()) else 0
-

@@ -71,7 +71,6 @@ Synth = Callable[[str], np.ndarray]
 Progress = Callable[[str], None]
 
 
-
 class BenchError(RuntimeError):
     """The bench cannot run (server unreachable, ...); the message is meant for the user."""
 
@@ -170,8 +169,9 @@ class Mic:
     event loop catches up at once (a device buffer would too) and the worst lag is recorded.
     """
 
-    def __init__(self, ws: Any, loop: asyncio.AbstractEventLoop,
-                 send: Callable[[np.ndarray], Any] | None = None) -> None:
+    def __init__(
+        self, ws: Any, loop: asyncio.AbstractEventLoop, send: Callable[[np.ndarray], Any] | None = None
+    ) -> None:
         self.ws = ws
         self.loop = loop
         # how a frame leaves: PCM16 bytes on the native WebSocket, or a transport link's own `send`
@@ -361,8 +361,9 @@ def fetch_stats(ws_url: str, timeout: float = 5.0) -> dict[str, Any]:
         ) from None
 
 
-def real_time_factors(before: dict[str, Any], after: dict[str, Any], input_s: float, output_s: float,
-                      wall_s: float) -> dict[str, Any]:
+def real_time_factors(
+    before: dict[str, Any], after: dict[str, Any], input_s: float, output_s: float, wall_s: float
+) -> dict[str, Any]:
     """Per executor label (and per stage): run-time delta / audio seconds; process CPU and memory."""
     b_ex, a_ex = before.get("executor", {}), after.get("executor", {})
     labels: dict[str, Any] = {}
@@ -385,12 +386,18 @@ def real_time_factors(before: dict[str, Any], after: dict[str, Any], input_s: fl
             "wait_p90_ms": a.get("wait_p90_ms"),
         }
         labels[label] = row
-        st = stage_totals.setdefault(label.split(".")[0], {"run_s": 0.0, "audio_s": audio_s, "jobs": 0, "overruns": 0})
+        st = stage_totals.setdefault(
+            label.split(".")[0], {"run_s": 0.0, "audio_s": audio_s, "jobs": 0, "overruns": 0}
+        )
         st["run_s"] += run_s
         st["jobs"] += row["jobs"]
         st["overruns"] += row["overruns"]
     stages = {
-        k: {**v, "run_s": round(v["run_s"], 4), "rtf": v["run_s"] / v["audio_s"] if v["audio_s"] > 0 else None}
+        k: {
+            **v,
+            "run_s": round(v["run_s"], 4),
+            "rtf": v["run_s"] / v["audio_s"] if v["audio_s"] > 0 else None,
+        }
         for k, v in stage_totals.items()
     }
     bp, ap = before.get("process", {}), after.get("process", {})
@@ -448,7 +455,9 @@ class InProcessServer:
             loop = asyncio.new_event_loop()
             self._loop = loop
             try:
-                settings = GatewaySettings(http=ServerSettings(host=self.host, port=0), audiosocket=(self.host, 0))
+                settings = GatewaySettings(
+                    http=ServerSettings(host=self.host, port=0), audiosocket=(self.host, 0)
+                )
                 self._gateway = Gateway(self.service, settings)
                 loop.run_until_complete(self._gateway.start())
                 self.port = self._gateway.port
@@ -478,5 +487,3 @@ class InProcessServer:
             loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(timeout=10)
-
-

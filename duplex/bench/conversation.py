@@ -35,8 +35,12 @@ class Conversation:
         rx = self.rx
         # the turn this speech ends is the first final after the end of speech; finals in between
         # mean the VAD split the utterance into two turns (a pause longer than the hangover)
-        i = await rx.wait(lambda r: r.is_event("transcript.final") and r.t >= t_end, start=start, within_s=self.timeout)
-        rec["split_finals"] = sum(1 for r in rx.log[start:i] if r.is_event("transcript.final") and r.t > t_first)
+        i = await rx.wait(
+            lambda r: r.is_event("transcript.final") and r.t >= t_end, start=start, within_s=self.timeout
+        )
+        rec["split_finals"] = sum(
+            1 for r in rx.log[start:i] if r.is_event("transcript.final") and r.t > t_first
+        )
         final = rx.log[i].event
         assert final is not None
         rec["transcript"] = final["text"]
@@ -47,13 +51,16 @@ class Conversation:
             return rec
         i = await rx.wait(
             lambda r: r.is_event("response.audio.started", turn) or r.is_event("response.done", turn),
-            start=i, within_s=self.timeout,
+            start=i,
+            within_s=self.timeout,
         )
         if rx.log[i].is_event("response.done"):
             rec["error"] = f"response {rx.log[i].event['status']} without audio"  # type: ignore[index]
             return rec
         rec["audio_started_index"] = i
-        j = await rx.wait(lambda r: r.is_audio or r.is_event("response.done", turn), start=i, within_s=self.timeout)
+        j = await rx.wait(
+            lambda r: r.is_audio or r.is_event("response.done", turn), start=i, within_s=self.timeout
+        )
         if not rx.log[j].is_audio:
             rec["error"] = "response.done before any audio frame"
             return rec
@@ -73,17 +80,18 @@ class Conversation:
         rx = self.rx
         if turn is not None:
             with contextlib.suppress(TimeoutError):
-                k = await rx.wait(lambda r: r.is_event("response.done", turn), start=rec.get("audio_started_index", 0),
-                                  within_s=self.timeout * 4)
+                k = await rx.wait(
+                    lambda r: r.is_event("response.done", turn),
+                    start=rec.get("audio_started_index", 0),
+                    within_s=self.timeout * 4,
+                )
                 done = rx.log[k].event
                 assert done is not None
                 rec["status"] = done.get("status")
                 rec["answer"] = done.get("text", "")
         await rx.wait_quiet()
         if "first_audio_index" in rec:
-            rec["answer_audio_s"] = sum(
-                r.audio_s for r in rx.log[rec["first_audio_index"] :] if r.is_audio
-            )
+            rec["answer_audio_s"] = sum(r.audio_s for r in rx.log[rec["first_audio_index"] :] if r.is_audio)
         await asyncio.sleep(0.5)
 
     def _line(self, rec: dict[str, Any], label: str) -> str:
@@ -109,11 +117,24 @@ class Conversation:
         await self._finish(rec)
         self.progress(self._line(rec, f"[turn {trial + 1}/{n}]"))
 
-    async def barge_in(self, trial: int, n: int, prompt: str, speech: np.ndarray, interruption: str,
-                       interruption_speech: np.ndarray, wait_s: float) -> None:
+    async def barge_in(
+        self,
+        trial: int,
+        n: int,
+        prompt: str,
+        speech: np.ndarray,
+        interruption: str,
+        interruption_speech: np.ndarray,
+        wait_s: float,
+    ) -> None:
         rx = self.rx
-        trial_rec: dict[str, Any] = {"trial": trial, "prompt": prompt, "interruption": interruption,
-                                     "wait_s": wait_s, "ok": False}
+        trial_rec: dict[str, Any] = {
+            "trial": trial,
+            "prompt": prompt,
+            "interruption": interruption,
+            "wait_s": wait_s,
+            "ok": False,
+        }
         self.barge_ins.append(trial_rec)
         label = f"[barge-in {trial + 1}/{n}]"
         rec = await self._ask("long", trial, prompt, speech)
@@ -139,14 +160,18 @@ class Conversation:
         i: int | None
         try:
             # an answer that had finished playing before the user spoke cannot be interrupted
-            i = await rx.wait(lambda r: r.is_event("response.interrupted", turn), start=rec["audio_started_index"],
-                              within_s=self.timeout if (playing or not generated) else 2.0)
+            i = await rx.wait(
+                lambda r: r.is_event("response.interrupted", turn),
+                start=rec["audio_started_index"],
+                within_s=self.timeout if (playing or not generated) else 2.0,
+            )
         except TimeoutError:
             i = None
         if i is None:
-            trial_rec["error"] = (
-                "no response.interrupted"
-                + ("" if playing or not generated else " (the answer had finished playing before the interruption)")
+            trial_rec["error"] = "no response.interrupted" + (
+                ""
+                if playing or not generated
+                else " (the answer had finished playing before the interruption)"
             )
         else:
             ev = rx.log[i].event
@@ -160,8 +185,9 @@ class Conversation:
                     last = r.t
                     break
             trial_rec["t_last_answer_audio"] = last
-            trial_rec["frames_after_onset"] = sum(1 for r in rx.log[rec["first_audio_index"] : i]
-                                                  if r.is_audio and r.t > t_onset)
+            trial_rec["frames_after_onset"] = sum(
+                1 for r in rx.log[rec["first_audio_index"] : i] if r.is_audio and r.t > t_onset
+            )
             raw = (last - t_onset) if last is not None else None
             trial_rec["reaction_raw_s"] = raw
             # the last frame came a little before the onset (frames are 40 ms apart): the server stopped
@@ -173,29 +199,44 @@ class Conversation:
             trial_rec["event_after_onset_s"] = rx.log[i].t - t_onset
             trial_rec["ok"] = True
         with contextlib.suppress(TimeoutError):
-            await rx.wait(lambda r: r.is_event("response.done", turn), start=rec["audio_started_index"],
-                          within_s=self.timeout)
+            await rx.wait(
+                lambda r: r.is_event("response.done", turn),
+                start=rec["audio_started_index"],
+                within_s=self.timeout,
+            )
         rec["status"] = next(
-            (r.event.get("status") for r in rx.log[rec["audio_started_index"]:]  # type: ignore[union-attr]
-             if r.is_event("response.done", turn)), None)
+            (
+                r.event.get("status")
+                for r in rx.log[rec["audio_started_index"] :]  # type: ignore[union-attr]
+                if r.is_event("response.done", turn)
+            ),
+            None,
+        )
         # the answer to the interruption is one more onset sample
         start_idx = istart if i is None else i
         try:
             irec = await self._answer(iutt, "interruption", trial, istart)
         except TimeoutError:
-            irec = {"kind": "interruption", "trial": trial, "text": interruption, "ok": False, "error": "timed out"}
+            irec = {
+                "kind": "interruption",
+                "trial": trial,
+                "text": interruption,
+                "ok": False,
+                "error": "timed out",
+            }
         self.turns.append(irec)
         await self._finish(irec)
         stop = irec.get("audio_started_index")
         trial_rec["leaked_frames"] = count_leaks(rx.log, start_idx, stop)
         if trial_rec["ok"]:
-            reaction = ("n/a (answer audio had stalled)" if trial_rec["reaction_s"] is None
-                        else f"{trial_rec['reaction_s'] * 1000:.0f} ms")
+            reaction = (
+                "n/a (answer audio had stalled)"
+                if trial_rec["reaction_s"] is None
+                else f"{trial_rec['reaction_s'] * 1000:.0f} ms"
+            )
             self.progress(
                 f"{label} {prompt!r} interrupted after {wait_s:.2f} s: reaction {reaction}, "
                 f"leaked frames {trial_rec['leaked_frames']}; " + self._line(irec, "answer")
             )
         else:
             self.progress(f"{label} {prompt!r}: FAILED ({trial_rec['error']}); " + self._line(irec, "answer"))
-
-

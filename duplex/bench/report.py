@@ -56,8 +56,11 @@ def format_table(result: dict[str, Any]) -> str:
     tg = s["targets"]
     lines.append(
         "targets: "
-        + ", ".join(f"{k} {'not measured' if v['value'] is None else 'met' if v['met'] else 'MISSED'} "
-                    f"({_fmt(v['value'], 1000)} ms vs {v['target'] * 1000:.0f})" for k, v in tg.items())
+        + ", ".join(
+            f"{k} {'not measured' if v['value'] is None else 'met' if v['met'] else 'MISSED'} "
+            f"({_fmt(v['value'], 1000)} ms vs {v['target'] * 1000:.0f})"
+            for k, v in tg.items()
+        )
     )
     lines.append(
         f"failures: {s['turns_failed']} turns, {s['barge_ins_failed']} barge-ins; leaked frames after "
@@ -65,19 +68,27 @@ def format_table(result: dict[str, Any]) -> str:
         f"not measurable (answer audio stalled at the interruption): {s['barge_ins_stalled']}"
     )
     if s.get("relay_drafted"):
-        lines.append(f"relay: {s['relay_committed']} of {s['relay_drafted']} answers started by the drafter "
-                     "(committed prefix)")
+        lines.append(
+            f"relay: {s['relay_committed']} of {s['relay_drafted']} answers started by the drafter "
+            "(committed prefix)"
+        )
     rtf = s["rtf"]
     lines.append("")
-    lines.append(f"{'stage label':<14} {'jobs':>6} {'overruns':>8} {'run s':>8} {'per':>7} {'audio s':>8} {'RTF':>7}")
+    lines.append(
+        f"{'stage label':<14} {'jobs':>6} {'overruns':>8} {'run s':>8} {'per':>7} {'audio s':>8} {'RTF':>7}"
+    )
     for label, r in rtf["labels"].items():
-        lines.append(f"{label:<14} {r['jobs']:>6} {r['overruns']:>8} {r['run_s']:>8.2f} {r['per']:>7} "
-                     f"{r['audio_s']:>8.1f} {_fmt(r['rtf'], 1, 3):>7}")
+        lines.append(
+            f"{label:<14} {r['jobs']:>6} {r['overruns']:>8} {r['run_s']:>8.2f} {r['per']:>7} "
+            f"{r['audio_s']:>8.1f} {_fmt(r['rtf'], 1, 3):>7}"
+        )
     for stage, r in rtf["stages"].items():
         if sum(1 for label in rtf["labels"] if label.split(".")[0] == stage) < 2:
             continue  # the label row says it all
-        lines.append(f"{stage + ' (all)':<14} {r['jobs']:>6} {r['overruns']:>8} {r['run_s']:>8.2f} {'':>7} "
-                     f"{r['audio_s']:>8.1f} {_fmt(r['rtf'], 1, 3):>7}")
+        lines.append(
+            f"{stage + ' (all)':<14} {r['jobs']:>6} {r['overruns']:>8} {r['run_s']:>8.2f} {'':>7} "
+            f"{r['audio_s']:>8.1f} {_fmt(r['rtf'], 1, 3):>7}"
+        )
     p = rtf["process"]
     lines.append(
         f"server process: CPU {_fmt(p['cpu_s'], 1, 1)} s over {rtf['wall_s']:.1f} s wall "
@@ -98,11 +109,18 @@ def plot_results(result: dict[str, Any], path: str | Path) -> None:
     turns = [t for t in result["samples"]["turns"] if t.get("ok")]
     groups: list[tuple[str, list[float]]] = []
     for stage in LATENCY_STAGES:
-        vals = [t["server_latency_ms"][stage] / 1000 for t in turns
-                if isinstance((t.get("server_latency_ms") or {}).get(stage), (int, float))]
+        vals = [
+            t["server_latency_ms"][stage] / 1000
+            for t in turns
+            if isinstance((t.get("server_latency_ms") or {}).get(stage), (int, float))
+        ]
         groups.append((f"server\n{stage}", vals))
     groups.append(("client\nonset", [t["onset_s"] for t in turns]))
-    reaction = [b["reaction_s"] for b in result["samples"]["barge_ins"] if b.get("ok") and b.get("reaction_s") is not None]
+    reaction = [
+        b["reaction_s"]
+        for b in result["samples"]["barge_ins"]
+        if b.get("ok") and b.get("reaction_s") is not None
+    ]
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [5, 1.4]})
     rng = np.random.default_rng(0)
@@ -113,24 +131,43 @@ def plot_results(result: dict[str, Any], path: str | Path) -> None:
                 v = np.asarray(vals) * scale
                 ax.boxplot([v], positions=[x], widths=0.5, showfliers=False)
                 ax.scatter(x + rng.uniform(-0.15, 0.15, len(v)), v, s=14, alpha=0.6, zorder=3)
-                ax.annotate(f"n={len(v)}", (x, 0), xytext=(0, -4), textcoords="offset points",
-                            ha="center", va="top", fontsize=7, annotation_clip=False)
+                ax.annotate(
+                    f"n={len(v)}",
+                    (x, 0),
+                    xytext=(0, -4),
+                    textcoords="offset points",
+                    ha="center",
+                    va="top",
+                    fontsize=7,
+                    annotation_clip=False,
+                )
             else:
                 ax.text(x, 0, "no samples", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(1, len(data) + 1), labels, fontsize=8)
         ax.set_xlim(0.4, len(data) + 0.6)
 
     strip(ax1, [g[1] for g in groups], [g[0] for g in groups])
-    ax1.axhline(TARGETS["onset_p50_s"], color="tab:green", ls="--", label=f"onset P50 target {TARGETS['onset_p50_s']} s")
-    ax1.axhline(TARGETS["onset_p90_s"], color="tab:red", ls="--", label=f"onset P90 target {TARGETS['onset_p90_s']} s")
+    ax1.axhline(
+        TARGETS["onset_p50_s"],
+        color="tab:green",
+        ls="--",
+        label=f"onset P50 target {TARGETS['onset_p50_s']} s",
+    )
+    ax1.axhline(
+        TARGETS["onset_p90_s"], color="tab:red", ls="--", label=f"onset P90 target {TARGETS['onset_p90_s']} s"
+    )
     ax1.axhline(0, color="grey", lw=0.5)
     ax1.set_ylabel("seconds after the end of the user's speech")
     ax1.set_title("answer onset and the server's stage breakdown")
     ax1.legend(loc="upper left", fontsize=8)
 
     strip(ax2, [reaction], ["barge-in\nreaction"], scale=1000.0)
-    ax2.axhline(TARGETS["barge_in_p50_s"] * 1000, color="tab:red", ls="--",
-                label=f"target {TARGETS['barge_in_p50_s'] * 1000:.0f} ms")
+    ax2.axhline(
+        TARGETS["barge_in_p50_s"] * 1000,
+        color="tab:red",
+        ls="--",
+        label=f"target {TARGETS['barge_in_p50_s'] * 1000:.0f} ms",
+    )
     ax2.set_ylabel("ms from interruption onset to last answer frame")
     ax2.set_title("barge-in")
     ax2.legend(loc="upper left", fontsize=8)
@@ -142,5 +179,3 @@ def plot_results(result: dict[str, Any], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-

@@ -79,16 +79,25 @@ log = logging.getLogger("duplex.bench.serve")
 def _summary(turns: list[dict[str, Any]], barge_ins: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [t for t in turns if t.get("ok")]
     server = {
-        stage: percentiles([t["server_latency_ms"][stage] for t in ok
-                            if isinstance((t.get("server_latency_ms") or {}).get(stage), (int, float))])
+        stage: percentiles(
+            [
+                t["server_latency_ms"][stage]
+                for t in ok
+                if isinstance((t.get("server_latency_ms") or {}).get(stage), (int, float))
+            ]
+        )
         for stage in LATENCY_STAGES
     }
     onset = percentiles([t["onset_s"] for t in ok])
-    reaction = percentiles([b["reaction_s"] for b in barge_ins if b.get("ok") and b.get("reaction_s") is not None])
+    reaction = percentiles(
+        [b["reaction_s"] for b in barge_ins if b.get("ok") and b.get("reaction_s") is not None]
+    )
     summary = {
         "onset_s": onset,
-        "onset_by_kind_s": {k: percentiles([t["onset_s"] for t in ok if t["kind"] == k])
-                            for k in ("question", "long", "interruption")},
+        "onset_by_kind_s": {
+            k: percentiles([t["onset_s"] for t in ok if t["kind"] == k])
+            for k in ("question", "long", "interruption")
+        },
         "server_latency_ms": server,
         "barge_in_reaction_s": reaction,
         "barge_in_event_s": percentiles([b["event_after_onset_s"] for b in barge_ins if b.get("ok")]),
@@ -102,12 +111,21 @@ def _summary(turns: list[dict[str, Any]], barge_ins: list[dict[str, Any]]) -> di
         "relay_drafted": sum(1 for t in ok if t.get("relay")),
     }
     summary["targets"] = {
-        "onset_p50_s": {"target": TARGETS["onset_p50_s"], "value": onset["p50"],
-                        "met": onset["p50"] is not None and onset["p50"] <= TARGETS["onset_p50_s"]},
-        "onset_p90_s": {"target": TARGETS["onset_p90_s"], "value": onset["p90"],
-                        "met": onset["p90"] is not None and onset["p90"] <= TARGETS["onset_p90_s"]},
-        "barge_in_p50_s": {"target": TARGETS["barge_in_p50_s"], "value": reaction["p50"],
-                           "met": reaction["p50"] is not None and reaction["p50"] <= TARGETS["barge_in_p50_s"]},
+        "onset_p50_s": {
+            "target": TARGETS["onset_p50_s"],
+            "value": onset["p50"],
+            "met": onset["p50"] is not None and onset["p50"] <= TARGETS["onset_p50_s"],
+        },
+        "onset_p90_s": {
+            "target": TARGETS["onset_p90_s"],
+            "value": onset["p90"],
+            "met": onset["p90"] is not None and onset["p90"] <= TARGETS["onset_p90_s"],
+        },
+        "barge_in_p50_s": {
+            "target": TARGETS["barge_in_p50_s"],
+            "value": reaction["p50"],
+            "met": reaction["p50"] is not None and reaction["p50"] <= TARGETS["barge_in_p50_s"],
+        },
     }
     return summary
 
@@ -143,7 +161,11 @@ async def run_bench(
     rng = random.Random(seed)
     plan_q = [questions[i % len(questions)] for i in range(turns)]
     plan_b = [
-        (long_prompts[i % len(long_prompts)], interruptions[i % len(interruptions)], rng.uniform(*barge_wait_s))
+        (
+            long_prompts[i % len(long_prompts)],
+            interruptions[i % len(interruptions)],
+            rng.uniform(*barge_wait_s),
+        )
         for i in range(barge_ins)
     ]
     # fail fast (and clearly) when nothing listens, before spending time on synthesis
@@ -161,7 +183,9 @@ async def run_bench(
         if len(audio) == 0:
             raise BenchError(f"the synthesiser returned silence for {text!r}")
         speech[text] = audio
-    say(f"  done in {time.perf_counter() - t_syn:.1f} s; {sum(len(a) for a in speech.values()) / SR:.1f} s of speech")
+    say(
+        f"  done in {time.perf_counter() - t_syn:.1f} s; {sum(len(a) for a in speech.values()) / SR:.1f} s of speech"
+    )
 
     before = await asyncio.to_thread(fetch_stats, url)
     loop = asyncio.get_running_loop()
@@ -181,7 +205,9 @@ async def run_bench(
     tasks: list[asyncio.Task[None]] = []
     session: dict[str, Any] = {}
     try:
-        await ws.send(json.dumps({"type": "session.start", "sample_rate": SR, "options": session_options or {}}))
+        await ws.send(
+            json.dumps({"type": "session.start", "sample_rate": SR, "options": session_options or {}})
+        )
         tasks = [asyncio.create_task(rx.run(), name="bench-rx")]
         i = await rx.wait(lambda r: r.is_event("session.started") or r.is_event("error"), within_s=10)
         first = rx.log[i].event
@@ -212,8 +238,10 @@ async def run_bench(
     summary = _summary(conv.turns, conv.barge_ins)
     summary["leaked_frames_total"] = count_leaks(rx.log)
     summary["rtf"] = real_time_factors(before, after, mic.seconds_sent, rx.audio_seconds, wall_s)
-    summary["client"] = {"mic_max_lag_ms": round(mic.max_lag_s * 1000, 1),
-                         "server_errors": [r.event for r in rx.log if r.is_event("error")]}
+    summary["client"] = {
+        "mic_max_lag_ms": round(mic.max_lag_s * 1000, 1),
+        "server_errors": [r.event for r in rx.log if r.is_event("error")],
+    }
     result: dict[str, Any] = {
         "settings": {
             "url": url,
@@ -240,5 +268,3 @@ async def run_bench(
     if out_dir is not None:
         await asyncio.to_thread(write_outputs, result, out_dir, plot)
     return result
-
-

@@ -145,29 +145,51 @@ class TwilioLink(_WsLink):
     async def open(self) -> None:
         await self._connect()
         await self.ws.send(json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}))
-        await self.ws.send(json.dumps({
-            "event": "start", "sequenceNumber": "1", "streamSid": self.sid,
-            "start": {"streamSid": self.sid, "accountSid": "AC" + "0" * 32, "callSid": "CA" + uuid.uuid4().hex,
-                      "tracks": ["inbound"], "customParameters": {},
-                      "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}},
-        }))
+        await self.ws.send(
+            json.dumps(
+                {
+                    "event": "start",
+                    "sequenceNumber": "1",
+                    "streamSid": self.sid,
+                    "start": {
+                        "streamSid": self.sid,
+                        "accountSid": "AC" + "0" * 32,
+                        "callSid": "CA" + uuid.uuid4().hex,
+                        "tracks": ["inbound"],
+                        "customParameters": {},
+                        "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1},
+                    },
+                }
+            )
+        )
         self._start_rx()
 
     async def send(self, frame: np.ndarray) -> None:
         x, self.down_state = self.down.step(self.down_state, frame)
         self.chunk += 1
-        await self.ws.send(json.dumps({
-            "event": "media", "streamSid": self.sid,
-            "media": {"track": "inbound", "chunk": str(self.chunk), "timestamp": str(20 * self.chunk),
-                      "payload": base64.b64encode(float_to_ulaw(x)).decode()},
-        }))
+        await self.ws.send(
+            json.dumps(
+                {
+                    "event": "media",
+                    "streamSid": self.sid,
+                    "media": {
+                        "track": "inbound",
+                        "chunk": str(self.chunk),
+                        "timestamp": str(20 * self.chunk),
+                        "payload": base64.b64encode(float_to_ulaw(x)).decode(),
+                    },
+                }
+            )
+        )
 
     async def on_message(self, msg: str | bytes) -> None:
         ev = json.loads(msg)
         if ev.get("event") == "media":
             self.heard(ulaw_to_float(base64.b64decode(ev["media"]["payload"])), 8000)
         elif ev.get("event") == "mark":
-            await self.ws.send(json.dumps({"event": "mark", "streamSid": self.sid, "mark": ev.get("mark", {})}))
+            await self.ws.send(
+                json.dumps({"event": "mark", "streamSid": self.sid, "mark": ev.get("mark", {})})
+            )
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -190,8 +212,11 @@ class RealtimeLink(_WsLink):
 
     async def send(self, frame: np.ndarray) -> None:
         x, self.up_state = self.up.step(self.up_state, frame)
-        await self.ws.send(json.dumps({"type": "input_audio_buffer.append",
-                                       "audio": base64.b64encode(float_to_pcm16(x)).decode()}))
+        await self.ws.send(
+            json.dumps(
+                {"type": "input_audio_buffer.append", "audio": base64.b64encode(float_to_pcm16(x)).decode()}
+            )
+        )
 
     async def on_message(self, msg: str | bytes) -> None:
         ev = json.loads(msg)
@@ -213,10 +238,14 @@ class AudioSocketLink(Link):
 
     async def open(self) -> None:
         try:
-            self.reader, self.writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), 10)
+            self.reader, self.writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port), 10
+            )
         except (OSError, TimeoutError) as exc:
-            raise BenchError(f"cannot connect to AudioSocket {self.host}:{self.port}: {exc}. "
-                             "Start the server with `duplex serve --audiosocket HOST:PORT`") from None
+            raise BenchError(
+                f"cannot connect to AudioSocket {self.host}:{self.port}: {exc}. "
+                "Start the server with `duplex serve --audiosocket HOST:PORT`"
+            ) from None
         self.writer.write(b"\x01" + struct.pack(">H", 16) + uuid.uuid4().bytes)
         await self.writer.drain()
         self.rx_task = asyncio.create_task(self._rx(), name="bench-rx-audiosocket")
@@ -263,7 +292,9 @@ def make_link(name: str, base: str, audiosocket: tuple[str, int] | None) -> Link
         return RealtimeLink(base)
     if name == "audiosocket":
         if audiosocket is None:
-            raise BenchError("--transport audiosocket needs --audiosocket HOST:PORT (the server's AudioSocket listener)")
+            raise BenchError(
+                "--transport audiosocket needs --audiosocket HOST:PORT (the server's AudioSocket listener)"
+            )
         return AudioSocketLink(*audiosocket)
     raise BenchError(f"unknown transport {name!r}; choose from {', '.join(TRANSPORTS)}")
 
@@ -324,15 +355,21 @@ async def run_transport_bench(
                     utt = mics[link.name].say(text, speech[text])
                     rec: dict[str, Any] = {"round": r, "prompt": text, "ok": False}
                     try:
-                        t_end = await asyncio.wait_for(asyncio.shield(utt.last_sent), turn_timeout_s + utt.samples / SR)
+                        t_end = await asyncio.wait_for(
+                            asyncio.shield(utt.last_sent), turn_timeout_s + utt.samples / SR
+                        )
                         t_audio = await _first_audible(link, t_end, turn_timeout_s)
                         rec.update(ok=True, onset_s=t_audio - t_end)
-                        say(f"[{r * len(prompts) + k + 1}/{rounds * len(prompts)}] {link.name:11s} {text!r}: "
-                            f"onset {1000 * rec['onset_s']:.0f} ms")
+                        say(
+                            f"[{r * len(prompts) + k + 1}/{rounds * len(prompts)}] {link.name:11s} {text!r}: "
+                            f"onset {1000 * rec['onset_s']:.0f} ms"
+                        )
                     except (TimeoutError, ConnectionError) as exc:
                         rec["error"] = str(exc) or "timed out"
-                        say(f"[{r * len(prompts) + k + 1}/{rounds * len(prompts)}] {link.name:11s} {text!r}: "
-                            f"FAILED ({rec['error']})")
+                        say(
+                            f"[{r * len(prompts) + k + 1}/{rounds * len(prompts)}] {link.name:11s} {text!r}: "
+                            f"FAILED ({rec['error']})"
+                        )
                     samples[link.name].append(rec)
                     await _until_quiet(link)
                     await asyncio.sleep(0.3)
@@ -348,15 +385,20 @@ def summarise(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out: dict[str, Any] = {"transports": {}, "samples": samples}
     for name, recs in samples.items():
         onsets = [r["onset_s"] for r in recs if r.get("ok")]
-        out["transports"][name] = {"onset_s": percentiles(onsets),
-                                   "failed": sum(1 for r in recs if not r.get("ok"))}
+        out["transports"][name] = {
+            "onset_s": percentiles(onsets),
+            "failed": sum(1 for r in recs if not r.get("ok")),
+        }
     native = samples.get("native")
     if native:
         for name, recs in samples.items():
             if name == "native":
                 continue
-            paired = [b["onset_s"] - a["onset_s"] for a, b in zip(native, recs, strict=False)
-                      if a.get("ok") and b.get("ok")]
+            paired = [
+                b["onset_s"] - a["onset_s"]
+                for a, b in zip(native, recs, strict=False)
+                if a.get("ok") and b.get("ok")
+            ]
             row = out["transports"][name]
             base = out["transports"]["native"]["onset_s"]
             row["vs_native"] = {
@@ -381,7 +423,9 @@ def format_transport_table(result: dict[str, Any]) -> str:
         vs = row.get("vs_native")
         if vs:
             pd = vs["paired_diff_s"]
-            cells.append(f"  | {1000 * vs['p50_diff_s']:+7.0f} ms" if vs["p50_diff_s"] is not None else "  |       -")
+            cells.append(
+                f"  | {1000 * vs['p50_diff_s']:+7.0f} ms" if vs["p50_diff_s"] is not None else "  |       -"
+            )
             if pd["p50"] is not None:
                 cells.append(f"  {1000 * pd['p50']:+6.0f} ms")
         if row["failed"]:
@@ -390,8 +434,9 @@ def format_transport_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def synthesise_prompts(prompts: Sequence[str], synth: Callable[[str], np.ndarray],
-                       progress: Progress | None = print) -> dict[str, np.ndarray]:
+def synthesise_prompts(
+    prompts: Sequence[str], synth: Callable[[str], np.ndarray], progress: Progress | None = print
+) -> dict[str, np.ndarray]:
     say = progress or (lambda _m: None)
     t0 = time.perf_counter()
     speech = {}

@@ -109,7 +109,9 @@ class SessionCore:
         self.step_tokens = int(llm_opts.get("step_tokens", 4))
         self.first_phrase_words = int(profile.component("tts").options.get("first_phrase_words", 3))
         self.out_sr = self.options.output_sample_rate
-        self.playout = Playout(self.out_sr, self.options.playout_lead_ms / 1000.0, int(self.out_sr * FRAME_SECONDS))
+        self.playout = Playout(
+            self.out_sr, self.options.playout_lead_ms / 1000.0, int(self.out_sr * FRAME_SECONDS)
+        )
         self.endpointer = self._new_endpointer()
         self.history: list[dict[str, str]] = []
         self.turn_id = 0
@@ -209,7 +211,11 @@ class SessionCore:
         """The client stopped playing the last answer after `played_s` seconds: stop sending its
         audio, if any is left, and keep only the words heard in the history."""
         turn = self._last_spoken[0] if self._last_spoken else None
-        playing = self.response if self.response is not None and self.response.committed else self._finished_response
+        playing = (
+            self.response
+            if self.response is not None and self.response.committed
+            else self._finished_response
+        )
         if playing is not None and (turn_id is None or turn_id == playing.turn_id):
             self._interrupt(status="interrupted", cap=played_s)
             return
@@ -257,7 +263,9 @@ class SessionCore:
         except ConfigError as exc:
             self._error("bad_option", str(exc))
             return
-        self._emit(SessionUpdated, options={k: getattr(self.options, k) for k in SessionOptions.CLIENT_SETTABLE})
+        self._emit(
+            SessionUpdated, options={k: getattr(self.options, k) for k in SessionOptions.CLIENT_SETTABLE}
+        )
 
     def tick(self) -> None:
         """Time passed: release due audio frames, finish responses that have played out."""
@@ -282,7 +290,9 @@ class SessionCore:
         self._busy.pop(_slot(job), None)
         if self.closed:
             return
-        handler = {"vad": self._on_vad, "asr": self._on_asr, "llm": self._on_llm, "tts": self._on_tts}[job.stage]
+        handler = {"vad": self._on_vad, "asr": self._on_asr, "llm": self._on_llm, "tts": self._on_tts}[
+            job.stage
+        ]
         handler(job, out, state)
         self._maybe_complete()
 
@@ -410,15 +420,22 @@ class SessionCore:
         first = max(start_sample - int(SR * self.options.pre_roll_ms / 1000), self._recent_base)
         audio = self._recent[first - self._recent_base :].copy()
         seg = Segment(
-            sid=next(self._sids), turn_id=self.turn_id, start_sample=first, asr_state=self.stages.asr.init_state()
+            sid=next(self._sids),
+            turn_id=self.turn_id,
+            start_sample=first,
+            asr_state=self.stages.asr.init_state(),
         )
         seg.audio.append(audio)
         seg.pending.append(audio)
         seg.total_samples = audio.size
         seg.overlap = self.turn_taking and self._speaking()
         if seg.overlap:
-            log.info("session %s turn %d: user speech over the answer; holding its audio until the overlap head "
-                     "decides", self.session_id, seg.turn_id)
+            log.info(
+                "session %s turn %d: user speech over the answer; holding its audio until the overlap head "
+                "decides",
+                self.session_id,
+                seg.turn_id,
+            )
         self.segment = seg
         self._emit(SpeechStarted, audio_ms=int(1000 * start_sample / SR))
 
@@ -440,8 +457,12 @@ class SessionCore:
         seg.pending = []
         seg.last_transcribed = seg.total_samples
         self._submit(
-            "asr", "asr.partial", seg.asr_state, AsrChunk(chunk, transcribe=True, final=False),
-            self.budgets["asr.partial"], tag=(seg.sid, False, seg.total_samples),
+            "asr",
+            "asr.partial",
+            seg.asr_state,
+            AsrChunk(chunk, transcribe=True, final=False),
+            self.budgets["asr.partial"],
+            tag=(seg.sid, False, seg.total_samples),
         )
 
     def _submit_final(self, seg: Segment) -> None:
@@ -457,14 +478,22 @@ class SessionCore:
                 return  # the partial in flight carries the state; _on_asr asks again when it returns
             chunk = np.concatenate(seg.pending) if seg.pending else np.zeros(0, dtype=np.float32)
             self._submit(
-                "asr", "asr.final", seg.asr_state, AsrChunk(chunk, transcribe=True, final=True),
-                self.budgets["asr.final"], tag=(seg.sid, True, seg.total_samples),
+                "asr",
+                "asr.final",
+                seg.asr_state,
+                AsrChunk(chunk, transcribe=True, final=True),
+                self.budgets["asr.final"],
+                tag=(seg.sid, True, seg.total_samples),
             )
             return
         audio = np.concatenate(seg.audio) if seg.audio else np.zeros(0, dtype=np.float32)
         self._submit(
-            "asr", "asr.final", self.stages.asr.init_state(), AsrChunk(audio, transcribe=True, final=True),
-            self.budgets["asr.final"], tag=(seg.sid, True, seg.total_samples),
+            "asr",
+            "asr.final",
+            self.stages.asr.init_state(),
+            AsrChunk(audio, transcribe=True, final=True),
+            self.budgets["asr.final"],
+            tag=(seg.sid, True, seg.total_samples),
         )
 
     def _speculate(self) -> None:
@@ -524,8 +553,13 @@ class SessionCore:
         if seg.overlap:
             if out.no_words and seg.overlap_class is None:
                 # sound over the answer with no word in it (a hum, a noisy room): not a barge-in
-                log.info("session %s turn %d: %.0f ms of sound over the answer with no word in it: the answer "
-                         "goes on", self.session_id, seg.turn_id, out.trailing_silence_ms)
+                log.info(
+                    "session %s turn %d: %.0f ms of sound over the answer with no word in it: the answer "
+                    "goes on",
+                    self.session_id,
+                    seg.turn_id,
+                    out.trailing_silence_ms,
+                )
                 seg.overlap_class = "noise"
                 self._resume_playout()
                 return
@@ -534,9 +568,14 @@ class SessionCore:
                 self.endpointer.speech_samples = 0
         if out.eou and words:
             if self.endpointer.decoder_silence(seg.start_sample + int(SR * float(words[-1].end))):
-                log.info("session %s turn %d: the ASR decoder heard no word for %.0f ms after %r while the VAD "
-                         "still hears sound: pausing the turn at the last word", self.session_id, seg.turn_id,
-                         out.trailing_silence_ms, words[-1].word)
+                log.info(
+                    "session %s turn %d: the ASR decoder heard no word for %.0f ms after %r while the VAD "
+                    "still hears sound: pausing the turn at the last word",
+                    self.session_id,
+                    seg.turn_id,
+                    out.trailing_silence_ms,
+                    words[-1].word,
+                )
         elif not out.eou and words and self.endpointer.decoder_quiet_since is not None:
             for edge in self.endpointer.decoder_words(seg.start_sample + int(SR * float(words[-1].start))):
                 self._on_edge(edge)
@@ -627,12 +666,20 @@ class SessionCore:
         if self._want_overlap is not None:
             sid, text, covered = self._want_overlap
             self._want_overlap = None
-            self._submit("llm", "llm.overlap", self._llm_state, OverlapStep(text),
-                         self.budgets["llm.step"], tag=("overlap", sid, covered))
+            self._submit(
+                "llm",
+                "llm.overlap",
+                self._llm_state,
+                OverlapStep(text),
+                self.budgets["llm.step"],
+                tag=("overlap", sid, covered),
+            )
             return
         resp = self.response
-        if resp is None or resp.llm_done or (
-            resp.llm_started and not resp.committed and not self._needs_first_phrase(resp)
+        if (
+            resp is None
+            or resp.llm_done
+            or (resp.llm_started and not resp.committed and not self._needs_first_phrase(resp))
         ):
             # no answer needs the model (a speculative one stops once its first phrase can be spoken)
             if self._want_listen is not None and (resp is None or resp.llm_done or not resp.committed):
@@ -640,13 +687,22 @@ class SessionCore:
                 self._want_listen = None
                 # at a pause the decision is urgent: only the drafter reads; the slow model catches up
                 # in the answer's first step (while they talk, both read slice by slice)
-                self._submit("llm", "llm.listen", self._llm_state,
-                             ListenStep(list(self.history), text, not at_pause, self.options.relay),
-                             self.budgets["llm.step"], tag=("listen", sid, covered, at_pause, text))
+                self._submit(
+                    "llm",
+                    "llm.listen",
+                    self._llm_state,
+                    ListenStep(list(self.history), text, not at_pause, self.options.relay),
+                    self.budgets["llm.step"],
+                    tag=("listen", sid, covered, at_pause, text),
+                )
             return
         if not resp.llm_started:
-            step = RespondStep(self._messages_for(resp), self.first_step_tokens, self.options.relay,
-                               phrase_words=self.stages.phrase_words)
+            step = RespondStep(
+                self._messages_for(resp),
+                self.first_step_tokens,
+                self.options.relay,
+                phrase_words=self.stages.phrase_words,
+            )
             label = "llm.first"
         else:
             step = RespondStep(None, self.step_tokens)
@@ -674,16 +730,23 @@ class SessionCore:
             timings = out.timings
             log.info(
                 "session %s turn %d: llm prefill %s tokens in %.0f ms, first step %.0f ms, queued %.0f ms",
-                self.session_id, resp.turn_id, out.prefill_tokens,
-                1000 * timings.get("prefill_s", 0.0), 1000 * timings.get("total_s", 0.0),
+                self.session_id,
+                resp.turn_id,
+                out.prefill_tokens,
+                1000 * timings.get("prefill_s", 0.0),
+                1000 * timings.get("total_s", 0.0),
                 1000 * (self.clock() - job.submitted) - 1000 * timings.get("total_s", 0.0),
             )
         relay = out.relay
         if relay is not None and job.label == "llm.first":
-            resp.relay = {"committed": bool(relay.committed), "p": round(float(relay.p_accept), 3),
-                          "threshold": round(relay.threshold, 3),
-                          "veto": relay.veto,
-                          "draft": relay.draft, "draft_ms": round(1000 * relay.draft_s, 1)}
+            resp.relay = {
+                "committed": bool(relay.committed),
+                "p": round(float(relay.p_accept), 3),
+                "threshold": round(relay.threshold, 3),
+                "veto": relay.veto,
+                "draft": relay.draft,
+                "draft_ms": round(1000 * relay.draft_s, 1),
+            }
         if delta:
             resp.marks.setdefault("first_llm_token", self.clock())
             resp.text += delta
@@ -706,7 +769,9 @@ class SessionCore:
             return
         text, resp.tts_pending = resp.tts_pending, ""
         resp.tts_final_sent = final
-        self._submit("tts", "tts", resp.tts_state, TtsInput(text, final), self.budgets["tts"], tag=(resp.rid, final))
+        self._submit(
+            "tts", "tts", resp.tts_state, TtsInput(text, final), self.budgets["tts"], tag=(resp.rid, final)
+        )
 
     def _on_tts(self, job: Job, out: Any, state: Any) -> None:
         if job.tag[0] == "bc":
@@ -756,7 +821,10 @@ class SessionCore:
                 self._trim_history()
             self._finished_response = resp if status == "completed" else None
             self._emit(
-                ResponseDone, turn_id=resp.turn_id, status=status, text=text,
+                ResponseDone,
+                turn_id=resp.turn_id,
+                status=status,
+                text=text,
                 played_text=text if status == "completed" else "",
             )
             if not resp.audio_started:
@@ -780,11 +848,19 @@ class SessionCore:
         played_s, played_text = self.playout.played(now, cap)
         self.playout.reset()
         self._playout_report = None
-        self._emit(Interrupted, turn_id=target.turn_id, played_ms=int(1000 * played_s), played_text=played_text)
+        self._emit(
+            Interrupted, turn_id=target.turn_id, played_ms=int(1000 * played_s), played_text=played_text
+        )
         entry: dict[str, str] | None = None
         if resp is not None:
             self.response = None
-            self._emit(ResponseDone, turn_id=resp.turn_id, status=status, text=resp.text.strip(), played_text=played_text)
+            self._emit(
+                ResponseDone,
+                turn_id=resp.turn_id,
+                status=status,
+                text=resp.text.strip(),
+                played_text=played_text,
+            )
             if played_text:
                 entry = {"role": "assistant", "content": played_text}
                 self.history.append(entry)
@@ -832,7 +908,12 @@ class SessionCore:
 
     def _emit(self, cls: type[ServerEvent], turn_id: int | None = None, **fields: Any) -> None:
         self._outputs.append(
-            cls(session_id=self.session_id, turn_id=self.turn_id if turn_id is None else turn_id, t=self.clock(), **fields)
+            cls(
+                session_id=self.session_id,
+                turn_id=self.turn_id if turn_id is None else turn_id,
+                t=self.clock(),
+                **fields,
+            )
         )
 
     def _error(self, code: str, message: str) -> None:
@@ -902,19 +983,29 @@ class SessionCore:
         probs = tuple(float(p) for p in out.probs)
         p_listen, p_bc, p_speak = probs
         timings = out.timings
-        log.info("session %s turn %d: turn head at pause %.0f ms after it (transcript %.0f ms, listen %.0f ms "
-                 "+ queue %.0f ms): %s", self.session_id, seg.turn_id,
-                 1000 * (self.clock() - self._arrival_time(seg.start_sample + seg.pause_at)),
-                 1000 * (seg.spec_ready - self._arrival_time(seg.start_sample + seg.pause_at)),
-                 1000 * timings.get("total_s", 0.0),
-                 1000 * (self.clock() - job.submitted) - 1000 * timings.get("total_s", 0.0), probs)
+        log.info(
+            "session %s turn %d: turn head at pause %.0f ms after it (transcript %.0f ms, listen %.0f ms "
+            "+ queue %.0f ms): %s",
+            self.session_id,
+            seg.turn_id,
+            1000 * (self.clock() - self._arrival_time(seg.start_sample + seg.pause_at)),
+            1000 * (seg.spec_ready - self._arrival_time(seg.start_sample + seg.pause_at)),
+            1000 * timings.get("total_s", 0.0),
+            1000 * (self.clock() - job.submitted) - 1000 * timings.get("total_s", 0.0),
+            probs,
+        )
         assert self.stages.policy is not None  # listen jobs run only with turn-taking
         if is_bare_cue(text):
             seg.decision = "listen"
         else:
             seg.decision = LABELS[self.stages.policy.decide_turn(probs)]
-        self._emit(TurnDecision, turn_id=seg.turn_id, decision=seg.decision, text=text,
-                   probs={"listen": round(p_listen, 3), "backchannel": round(p_bc, 3), "speak": round(p_speak, 3)})
+        self._emit(
+            TurnDecision,
+            turn_id=seg.turn_id,
+            decision=seg.decision,
+            text=text,
+            probs={"listen": round(p_listen, 3), "backchannel": round(p_bc, 3), "speak": round(p_speak, 3)},
+        )
         if seg.decision == "speak":
             if self.response is None and seg.spec_final and not self._speaking():
                 self._start_response(seg.turn_id, seg.spec_final, committed=False)
@@ -932,8 +1023,14 @@ class SessionCore:
         if seg is None or seg.sid != sid or seg.overlap_class is not None:
             return
         interrupt = out.interrupt
-        log.info("session %s turn %d: overlap %r -> %s (p=%.2f)", self.session_id, seg.turn_id,
-                 seg.spec_final, "interruption" if interrupt else "backchannel", out.p_interrupt)
+        log.info(
+            "session %s turn %d: overlap %r -> %s (p=%.2f)",
+            self.session_id,
+            seg.turn_id,
+            seg.spec_final,
+            "interruption" if interrupt else "backchannel",
+            out.p_interrupt,
+        )
         if interrupt:
             seg.overlap_class = "interruption"
             if self._speaking():
@@ -978,13 +1075,23 @@ class SessionCore:
         if now - self._last_backchannel < o.backchannel_interval_ms / 1000:
             return
         self._last_backchannel = now
-        self._submit("tts", "tts", self.stages.tts.init_state(), TtsInput(self.stages.backchannel_text, True),
-                     self.budgets["tts"], tag=("bc", next(self._bc_ids)))
+        self._submit(
+            "tts",
+            "tts",
+            self.stages.tts.init_state(),
+            TtsInput(self.stages.backchannel_text, True),
+            self.budgets["tts"],
+            tag=("bc", next(self._bc_ids)),
+        )
 
     def _on_backchannel_audio(self, out: Any) -> None:
         seg = self.segment
-        if (self.response is not None and self.response.committed) or self._speaking() or seg is None \
-                or not self.endpointer.paused:
+        if (
+            (self.response is not None and self.response.committed)
+            or self._speaking()
+            or seg is None
+            or not self.endpointer.paused
+        ):
             return  # too late: the user went on or an answer started
         now = self.clock()
         for chunk in out or []:

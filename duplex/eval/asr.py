@@ -41,7 +41,9 @@ class Utterance:
     text: str
     audio: np.ndarray
     voice: str = ""
-    word_ends: tuple[float, ...] | None = None  # when each reference word ends (s), where the synthesiser says
+    word_ends: tuple[float, ...] | None = (
+        None  # when each reference word ends (s), where the synthesiser says
+    )
 
 
 def synthetic_set(n: int, augmented: bool, seed: int = 11) -> list[Utterance]:
@@ -88,14 +90,17 @@ def directory_set(root: Path, limit: int = 0) -> list[Utterance]:
             if txt.exists():
                 pairs.append((str(audio.relative_to(root)), audio, txt.read_text().strip()))
     if not pairs:
-        raise SystemExit(f"eval asr: no audio with transcripts under {root} (x.wav + x.txt, or LibriSpeech layout)")
+        raise SystemExit(
+            f"eval asr: no audio with transcripts under {root} (x.wav + x.txt, or LibriSpeech layout)"
+        )
     if limit:
         pairs = pairs[:limit]
     return [Utterance(uid, text, _read_audio(path)) for uid, path, text in pairs]
 
 
-def stream_utterance(stage: Any, audio: np.ndarray, reference: str = "",
-                     word_ends: tuple[float, ...] | None = None) -> tuple[str, list[float], float]:
+def stream_utterance(
+    stage: Any, audio: np.ndarray, reference: str = "", word_ends: tuple[float, ...] | None = None
+) -> tuple[str, list[float], float]:
     """Final text, per-word delay (s) from the end of the word to its first appearance in a partial, and
     compute seconds. A word's end is the synthesiser's (`word_ends` of `reference`, for the final words
     an edit alignment pairs with equal reference words) or else the model's own CTC timestamp."""
@@ -108,7 +113,7 @@ def stream_utterance(stage: Any, audio: np.ndarray, reference: str = "",
     out = None
     while True:
         final = pos >= audio.size
-        chunk = audio[pos: pos + PACKET] if not final else np.zeros(0, np.float32)
+        chunk = audio[pos : pos + PACKET] if not final else np.zeros(0, np.float32)
         t = time.perf_counter()
         out, state = stage.step(state, AsrChunk(chunk, transcribe=True, final=final))
         compute += time.perf_counter() - t
@@ -131,12 +136,20 @@ def stream_utterance(stage: Any, audio: np.ndarray, reference: str = "",
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--profile", default="cpu-streaming", help="profile whose nemo-streaming asr is evaluated")
+    ap.add_argument(
+        "--profile", default="cpu-streaming", help="profile whose nemo-streaming asr is evaluated"
+    )
     ap.add_argument("--model", default=None, help="a .nemo file instead of the profile's weights")
-    ap.add_argument("--lookaheads", default="all", help="'all' or a comma list of lookaheads in ms (e.g. 480,80)")
+    ap.add_argument(
+        "--lookaheads", default="all", help="'all' or a comma list of lookaheads in ms (e.g. 480,80)"
+    )
     ap.add_argument("-n", "--n", type=int, default=200, help="held-out synthetic utterances")
-    ap.add_argument("--augmented", action="store_true", help="also score the held-out set with training augmentation")
-    ap.add_argument("--data", default=None, help="a folder of wav+txt pairs or LibriSpeech instead of the synthetic set")
+    ap.add_argument(
+        "--augmented", action="store_true", help="also score the held-out set with training augmentation"
+    )
+    ap.add_argument(
+        "--data", default=None, help="a folder of wav+txt pairs or LibriSpeech instead of the synthetic set"
+    )
     ap.add_argument("--limit", type=int, default=0, help="with --data: at most this many utterances")
     ap.add_argument("--no-moonshine", action="store_true", help="skip the Moonshine baseline")
     ap.add_argument("--out", default="eval-out", help="folder for asr.json and asr.png")
@@ -167,11 +180,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = load_profile(args.profile).component("asr")
         if cfg.backend != "nemo-streaming":
-            raise SystemExit(f"eval asr: profile {args.profile!r} has asr backend {cfg.backend!r}, not nemo-streaming")
+            raise SystemExit(
+                f"eval asr: profile {args.profile!r} has asr backend {cfg.backend!r}, not nemo-streaming"
+            )
         from asr.nemo_streaming import SHIPPED
 
-        source = Path(cfg.weights["path"]) if cfg.weights.get("path") else (
-            cfg.weights.get("name") or SHIPPED)
+        source = (
+            Path(cfg.weights["path"]) if cfg.weights.get("path") else (cfg.weights.get("name") or SHIPPED)
+        )
     nemo_model = load_nemo_model(source)
     enc = nemo_model.encoder
     contexts = [list(c) for c in getattr(enc, "att_context_size_all", [enc.att_context_size])]
@@ -197,8 +213,12 @@ def run(args: argparse.Namespace) -> int:
     for name, utts in sets.items():
         refs = [u.text for u in utts]
         audio_s = sum(u.audio.size for u in utts) / SR
-        entry: dict[str, Any] = {"n": len(utts), "words": sum(len(r.split()) for r in refs),
-                                 "audio_minutes": round(audio_s / 60, 2), "streaming": {}}
+        entry: dict[str, Any] = {
+            "n": len(utts),
+            "words": sum(len(r.split()) for r in refs),
+            "audio_minutes": round(audio_s / 60, 2),
+            "streaming": {},
+        }
         for ctx in contexts:
             stage = NemoStreamingAsrStage(NemoStreamingModel(nemo_model, att_context_size=ctx))
             hyps, delays, compute = [], [], 0.0
@@ -209,14 +229,20 @@ def run(args: argparse.Namespace) -> int:
                 compute += c
             la = ctx[1] * frame_ms
             entry["streaming"][f"{la:g}"] = {
-                "att_context_size": ctx, "lookahead_ms": la, "chunk_ms": stage.m.chunk_ms,
-                "wer": round(wer(refs, hyps), 4), "rtf": round(compute / audio_s, 4),
+                "att_context_size": ctx,
+                "lookahead_ms": la,
+                "chunk_ms": stage.m.chunk_ms,
+                "wer": round(wer(refs, hyps), 4),
+                "rtf": round(compute / audio_s, 4),
                 "first_partial_after_word_end_ms": {
                     "p50": round(1000 * float(np.percentile(delays, 50)), 1) if delays else None,
                     "p90": round(1000 * float(np.percentile(delays, 90)), 1) if delays else None,
-                    "n": len(delays), "bound_chunk_plus_lookahead_ms": stage.m.chunk_ms + la,
-                    "word_end": "synthesiser" if all(u.word_ends for u in utts) else "model timestamps"},
-                "examples": [{"ref": r, "hyp": h} for r, h in list(zip(refs, hyps, strict=False))[:5]]}
+                    "n": len(delays),
+                    "bound_chunk_plus_lookahead_ms": stage.m.chunk_ms + la,
+                    "word_end": "synthesiser" if all(u.word_ends for u in utts) else "model timestamps",
+                },
+                "examples": [{"ref": r, "hyp": h} for r, h in list(zip(refs, hyps, strict=False))[:5]],
+            }
             log.info("%s lookahead %g ms: WER %.3f", name, la, entry["streaming"][f"{la:g}"]["wer"])
         if moonshine is not None:
             hyps, compute = [], 0.0
@@ -224,8 +250,11 @@ def run(args: argparse.Namespace) -> int:
                 t = time.perf_counter()
                 hyps.append(moonshine.transcribe(u.audio))
                 compute += time.perf_counter() - t
-            entry["moonshine"] = {"wer": round(wer(refs, hyps), 4), "rtf": round(compute / audio_s, 4),
-                                  "examples": [{"ref": r, "hyp": h} for r, h in list(zip(refs, hyps, strict=False))[:5]]}
+            entry["moonshine"] = {
+                "wer": round(wer(refs, hyps), 4),
+                "rtf": round(compute / audio_s, 4),
+                "examples": [{"ref": r, "hyp": h} for r, h in list(zip(refs, hyps, strict=False))[:5]],
+            }
         results["sets"][name] = entry
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -242,10 +271,14 @@ def _print(results: dict[str, Any]) -> None:
         print(f"  {'system':<28} {'WER':>7} {'RTF':>7}  first partial after word end P50/P90 (bound)")
         for la, s in e["streaming"].items():
             d = s["first_partial_after_word_end_ms"]
-            print(f"  {'streaming, lookahead ' + la + ' ms':<28} {100 * s['wer']:6.1f}% {s['rtf']:7.3f}  "
-                  f"{d['p50']}/{d['p90']} ms (<= {d['bound_chunk_plus_lookahead_ms']:g} ms), n={d['n']}")
+            print(
+                f"  {'streaming, lookahead ' + la + ' ms':<28} {100 * s['wer']:6.1f}% {s['rtf']:7.3f}  "
+                f"{d['p50']}/{d['p90']} ms (<= {d['bound_chunk_plus_lookahead_ms']:g} ms), n={d['n']}"
+            )
         if "moonshine" in e:
-            print(f"  {'moonshine base-en (whole)':<28} {100 * e['moonshine']['wer']:6.1f}% {e['moonshine']['rtf']:7.3f}")
+            print(
+                f"  {'moonshine base-en (whole)':<28} {100 * e['moonshine']['wer']:6.1f}% {e['moonshine']['rtf']:7.3f}"
+            )
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:

@@ -57,7 +57,9 @@ def percentile(xs: Sequence[float], q: float) -> float:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
-        raise SystemExit(f"eval dialogue: {path} is missing (it ships with the repository; see dialogue/train_*.py)")
+        raise SystemExit(
+            f"eval dialogue: {path} is missing (it ships with the repository; see dialogue/train_*.py)"
+        )
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -93,8 +95,14 @@ def turn_metrics(pairs: list[tuple[int, int]]) -> dict[str, Any]:
     }
 
 
-def eval_turns_text(stage: Any, examples: list[dict[str, Any]], speak_thr: float, bc_thr: float,
-                    progress: bool, take_thr: float | None = None) -> dict[str, Any]:
+def eval_turns_text(
+    stage: Any,
+    examples: list[dict[str, Any]],
+    speak_thr: float,
+    bc_thr: float,
+    progress: bool,
+    take_thr: float | None = None,
+) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from duplex.base.messages import ListenStep, OverlapStep
@@ -107,7 +115,9 @@ def eval_turns_text(stage: Any, examples: list[dict[str, Any]], speak_thr: float
             out, _ = stage.step(state, OverlapStep(ex["text"]))
             overlap_ok.append(bool(out.interrupt) == (int(ex["label"]) == 1))
         else:
-            out, _ = stage.step(state, ListenStep(list(ex.get("history") or []), ex["text"], prefill_slow=False))
+            out, _ = stage.step(
+                state, ListenStep(list(ex.get("history") or []), ex["text"], prefill_slow=False)
+            )
             pairs.append((int(ex["label"]), decide(out.probs, speak_thr, bc_thr, take_thr)))
     m = turn_metrics(pairs)
     m["overlap_accuracy"] = sum(overlap_ok) / len(overlap_ok) if overlap_ok else float("nan")
@@ -115,8 +125,17 @@ def eval_turns_text(stage: Any, examples: list[dict[str, Any]], speak_thr: float
     return m
 
 
-def eval_turns_speech(stage: Any, asr: Any, examples: list[dict[str, Any]], n: int, speak_thr: float,
-                      bc_thr: float, seed: int, progress: bool, take_thr: float | None = None) -> dict[str, Any]:
+def eval_turns_speech(
+    stage: Any,
+    asr: Any,
+    examples: list[dict[str, Any]],
+    n: int,
+    speak_thr: float,
+    bc_thr: float,
+    seed: int,
+    progress: bool,
+    take_thr: float | None = None,
+) -> dict[str, Any]:
     """Speak the words with hibari, transcribe them with the profile's ASR, then listen."""
     from tqdm.auto import tqdm
 
@@ -140,11 +159,15 @@ def eval_turns_speech(stage: Any, asr: Any, examples: list[dict[str, Any]], n: i
         audio = resample(synth.synthesize(ex["text"]), SAMPLE_RATE, 16000).astype(np.float32)
         out, _ = asr.step(asr.init_state(), AsrChunk(samples=audio, transcribe=True, final=True))
         heard = str(getattr(out, "text", "") or "")
-        res, _ = stage.step(stage.init_state(), ListenStep(list(ex.get("history") or []), heard, prefill_slow=False))
+        res, _ = stage.step(
+            stage.init_state(), ListenStep(list(ex.get("history") or []), heard, prefill_slow=False)
+        )
         d = decide(res.probs, speak_thr, bc_thr, take_thr)
         pairs.append((int(ex["label"]), d))
         if (d > 0) != (int(ex["label"]) == 2):
-            wrong.append({"text": ex["text"], "heard": heard, "label": LABELS[int(ex["label"])], "decision": LABELS[d]})
+            wrong.append(
+                {"text": ex["text"], "heard": heard, "label": LABELS[int(ex["label"])], "decision": LABELS[d]}
+            )
     m = turn_metrics(pairs)
     m["errors"] = wrong[:12]
     return m
@@ -153,8 +176,9 @@ def eval_turns_speech(stage: Any, asr: Any, examples: list[dict[str, Any]], n: i
 # -- 3: relay versus slow-only -------------------------------------------------------------------
 
 
-def run_answer(stage: Any, tts: Any, history: list[dict[str, str]], text: str, relay: bool,
-               commit: bool | None = None) -> dict[str, Any]:
+def run_answer(
+    stage: Any, tts: Any, history: list[dict[str, str]], text: str, relay: bool, commit: bool | None = None
+) -> dict[str, Any]:
     """One answer as the live service gives it: listen (prefill), then respond until the TTS has
     the first audio (onset), then to the end. `commit` forces the relay's decision (None: the
     verifier decides)."""
@@ -168,7 +192,9 @@ def run_answer(stage: Any, tts: Any, history: list[dict[str, str]], text: str, r
     msgs = history + [{"role": "user", "content": text}]
     opts = stage.slow_options
     t0 = time.perf_counter()
-    out, state = stage.step(state, RespondStep(msgs, opts.first_step_tokens, relay, commit, phrase_words=words))
+    out, state = stage.step(
+        state, RespondStep(msgs, opts.first_step_tokens, relay, commit, phrase_words=words)
+    )
     info = out.relay
     answer, pending = out.text, out.text
     tts_state = tts.init_state()
@@ -187,9 +213,13 @@ def run_answer(stage: Any, tts: Any, history: list[dict[str, str]], text: str, r
     if onset is None:
         onset = time.perf_counter() - t0
     return {
-        "answer": answer.strip(), "onset_s": onset, "total_s": time.perf_counter() - t0,
-        "committed": bool(info.committed) if info else False, "p": float(info.p_accept) if info else None,
-        "draft": info.draft if info else "", "prefix": info.prefix if info else "",
+        "answer": answer.strip(),
+        "onset_s": onset,
+        "total_s": time.perf_counter() - t0,
+        "committed": bool(info.committed) if info else False,
+        "p": float(info.p_accept) if info else None,
+        "draft": info.draft if info else "",
+        "prefix": info.prefix if info else "",
         "veto": info.veto if info else None,
     }
 
@@ -218,18 +248,32 @@ def eval_relay(stage: Any, tts: Any, prompts: list[dict[str, Any]], progress: bo
         history = [dict(m) for m in pr.get("history") or []]
         text = pr["text"]
         k = i % len(VARIANTS)  # rotate which goes first, so warm caches favour none
-        res = {v: run_answer(stage, tts, history, text, v != "slow", _FORCE[v])
-               for v in VARIANTS[k:] + VARIANTS[:k]}
+        res = {
+            v: run_answer(stage, tts, history, text, v != "slow", _FORCE[v])
+            for v in VARIANTS[k:] + VARIANTS[:k]
+        }
         label = int(_slow_accepts(stage, history, text, res["commit"])) if res["commit"]["draft"] else None
-        rows.append({"text": text, "history": history, "source": pr.get("source", ""), "p": res["commit"]["p"],
-                     "label": label} | {v: res[v] for v in VARIANTS})
+        rows.append(
+            {
+                "text": text,
+                "history": history,
+                "source": pr.get("source", ""),
+                "p": res["commit"]["p"],
+                "label": label,
+            }
+            | {v: res[v] for v in VARIANTS}
+        )
     judge_rows(stage, rows, rating=True, progress=progress)
     return rows
 
 
 #: the judges of `dialogue.training.judge` and the key of their grade in each run: the slow model's 1-9
 #: rating ("quality", the first judge this evaluation had) and the likelihood judge, per token and whole
-JUDGES = {"rating": "quality", "likelihood": "quality_likelihood", "likelihood-total": "quality_likelihood_total"}
+JUDGES = {
+    "rating": "quality",
+    "likelihood": "quality_likelihood",
+    "likelihood-total": "quality_likelihood_total",
+}
 
 
 def judge_rows(stage: Any, rows: list[dict[str, Any]], rating: bool, progress: bool = False) -> None:
@@ -247,20 +291,32 @@ def judge_rows(stage: Any, rows: list[dict[str, Any]], rating: bool, progress: b
     for i, row in enumerate(tqdm(rows, desc="judging", disable=not progress)):
         history, text = row["history"], row["text"]
         other = rows[(i + 1) % len(rows)]["slow"]["answer"] if len(rows) > 1 else None
-        answers = list(dict.fromkeys([row[v]["answer"] for v in VARIANTS] + ([other] if other is not None else [])))
+        answers = list(
+            dict.fromkeys([row[v]["answer"] for v in VARIANTS] + ([other] if other is not None else []))
+        )
         prefix = row["commit"].get("prefix") or ""
         scored = lik.score(history, text, answers + ([prefix] if prefix.strip() else []))
         scores = dict(zip(answers, scored[: len(answers)], strict=True))
         # the slow model's own mean log-probability of the committed words: what the verifier
         # approximates from the drafter's side, for the bound in `slow_scored_relay`
-        row["commit"]["prefix_logp"] = scored[-1].logp / scored[-1].n_tokens if prefix.strip() and scored[-1].n_tokens else None
+        row["commit"]["prefix_logp"] = (
+            scored[-1].logp / scored[-1].n_tokens if prefix.strip() and scored[-1].n_tokens else None
+        )
         for v in VARIANTS:
             s = scores[row[v]["answer"]]
-            row[v] |= {"likelihood": s.as_dict(), "quality_likelihood": s.quality, "quality_likelihood_total": s.quality_total}
+            row[v] |= {
+                "likelihood": s.as_dict(),
+                "quality_likelihood": s.quality,
+                "quality_likelihood_total": s.quality_total,
+            }
         row["mismatched_quality_likelihood"] = scores[other].quality if other is not None else None
-        row["mismatched_quality_likelihood_total"] = scores[other].quality_total if other is not None else None
+        row["mismatched_quality_likelihood_total"] = (
+            scores[other].quality_total if other is not None else None
+        )
         if rating:
-            grades = {a: rate(history, text, a) for a in answers}  # each distinct answer once, the mismatched one too
+            grades = {
+                a: rate(history, text, a) for a in answers
+            }  # each distinct answer once, the mismatched one too
             for v in VARIANTS:
                 row[v]["quality"] = grades[row[v]["answer"]]
             row["mismatched_quality"] = grades[other] if other is not None else None
@@ -282,8 +338,13 @@ def _slow_accepts(stage: Any, history: list[dict[str, str]], text: str, r: dict[
     model = stage.slow.lm.model
     sc = score_prefix(model, stage.slow_tokenizer, ctx, prefix)
     own = draft(model, stage.slow_tokenizer, ctx, stop_ids=stage.slow_stop)
-    ex = {"prefix": prefix, "text": user, "slow_text": own.text, "score_logprobs": sc.logprobs,
-          "score_entropies": sc.entropies}
+    ex = {
+        "prefix": prefix,
+        "text": user,
+        "slow_text": own.text,
+        "score_logprobs": sc.logprobs,
+        "score_entropies": sc.entropies,
+    }
     acc = Acceptance(float(meta["acceptance"]["epsilon"]), float(meta["acceptance"]["delta"]))
     return judge_prefix(ex, acc) in ("own", "ok")
 
@@ -323,7 +384,9 @@ def relay_run(row: dict[str, Any], threshold: float) -> dict[str, Any]:
     return c if ok else row["discard"]
 
 
-def at_threshold(rows: list[dict[str, Any]], point: Point, only: Sequence[int] | None = None) -> dict[str, Any]:
+def at_threshold(
+    rows: list[dict[str, Any]], point: Point, only: Sequence[int] | None = None
+) -> dict[str, Any]:
     """Relay versus slow-only with the verifier at `point` (on the rows `only`, when given: a
     rolling point is still replayed over all rows, in the order they were answered)."""
     ts = thresholds_for(rows, point)
@@ -348,7 +411,11 @@ def at_threshold(rows: list[dict[str, Any]], point: Point, only: Sequence[int] |
         "quality_ratio": rating["ratio"],
         # how much of the judge's range between a mismatched answer and slow-only the relay keeps
         "quality_kept": rating["kept"],
-        "judges": {name: quality_of(rows, runs, name) for name in JUDGES if all(JUDGES[name] in r["slow"] for r in rows)},
+        "judges": {
+            name: quality_of(rows, runs, name)
+            for name in JUDGES
+            if all(JUDGES[name] in r["slow"] for r in rows)
+        },
         "answers_changed": sum(x["answer"] != r["slow"]["answer"] for x, r in zip(runs, rows, strict=True)),
         "committed_fraction": sum(committed) / len(committed) if committed else float("nan"),
         "copied_openings": copied_openings(rows, runs),
@@ -365,7 +432,8 @@ def quality_of(rows: list[dict[str, Any]], runs: list[dict[str, Any]], judge: st
     m_r = float(np.mean(q_r)) if q_r else float("nan")
     m_s = float(np.mean(q_s)) if q_s else float("nan")
     return {
-        "relay": m_r, "slow_only": m_s,
+        "relay": m_r,
+        "slow_only": m_s,
         "ratio": m_r / m_s if q_s and m_s > 0 else float("nan"),
         "kept": _kept(m_r, m_s, [r.get(f"mismatched_{key}") for r in rows]),
         "not_worse": float(np.mean([a >= b for a, b in zip(q_r, q_s, strict=True)])) if q_s else float("nan"),
@@ -375,6 +443,7 @@ def quality_of(rows: list[dict[str, Any]], runs: list[dict[str, Any]], judge: st
 def starts_like_earlier_answer(answer: str, history: Sequence[dict[str, str]], k: int = 3) -> bool:
     """`answer` starts with the same `k` words as an earlier assistant turn of the conversation (the
     drafter's failure in long sessions: "The spider that comes after Monday has 8 legs.")."""
+
     def head(text: str) -> list[str]:
         return re.sub(r"[^\w' ]", " ", text.lower()).split()[:k]
 
@@ -385,8 +454,11 @@ def starts_like_earlier_answer(answer: str, history: Sequence[dict[str, str]], k
 def copied_openings(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Of the prompts with earlier answers in their history: how often the relay's answer and the
     slow model's start like one of them (the slow model's own rate is the baseline)."""
-    pairs = [(r, x) for r, x in zip(rows, runs, strict=True)
-             if any(m["role"] == "assistant" for m in r.get("history") or [])]
+    pairs = [
+        (r, x)
+        for r, x in zip(rows, runs, strict=True)
+        if any(m["role"] == "assistant" for m in r.get("history") or [])
+    ]
     if not pairs:
         return {"n": 0, "relay": float("nan"), "slow_only": float("nan")}
     relay = sum(starts_like_earlier_answer(x["answer"], r["history"]) for r, x in pairs)
@@ -395,7 +467,10 @@ def copied_openings(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> d
 
 
 #: row kinds reported apart: single user turns, and conversations of dialogue/training/multi_turn.py
-KINDS = {"single": lambda r: r.get("source") != "multi", "conversations": lambda r: r.get("source") == "multi"}
+KINDS = {
+    "single": lambda r: r.get("source") != "multi",
+    "conversations": lambda r: r.get("source") == "multi",
+}
 
 
 def operating_points(meta: dict[str, Any], threshold: float, rolling: Any = None) -> dict[str, Point]:
@@ -404,8 +479,11 @@ def operating_points(meta: dict[str, Any], threshold: float, rolling: Any = None
     from dialogue.verifier import named_operating_points
 
     points: dict[str, Point] = named_operating_points(meta) if "threshold" in meta else {}
-    points |= {f"{k}-fixed": float(meta["thresholds"][k]) for k, v in points.items()
-               if isinstance(v, dict) and k in (meta.get("thresholds") or {})}
+    points |= {
+        f"{k}-fixed": float(meta["thresholds"][k])
+        for k, v in points.items()
+        if isinstance(v, dict) and k in (meta.get("thresholds") or {})
+    }
     return points | {"engine": rolling.rule if rolling is not None else float(threshold)}
 
 
@@ -423,8 +501,11 @@ def judge_validity(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
     out = {}
     for name, key in JUDGES.items():
-        pairs = [(r["slow"][key], r[f"mismatched_{key}"]) for r in rows
-                 if key in r["slow"] and r.get(f"mismatched_{key}") is not None]
+        pairs = [
+            (r["slow"][key], r[f"mismatched_{key}"])
+            for r in rows
+            if key in r["slow"] and r.get(f"mismatched_{key}") is not None
+        ]
         if pairs and len(pairs) == len(rows):
             out[name] = validity([g for g, _ in pairs], [b for _, b in pairs])
     return out
@@ -436,29 +517,39 @@ def slow_scored_relay(rows: list[dict[str, Any]], n_committed: int) -> dict[str,
     still applies). A bound on what any verifier of the drafts can buy at that commit rate (it needs
     the slow model's forward over the draft, the latency the verifier exists to avoid); None when the
     rows have no such scores (runs stored before it was measured)."""
-    cand = [i for i, r in enumerate(rows) if r["commit"]["committed"] and not r["commit"].get("veto")
-            and r["p"] is not None]
+    cand = [
+        i
+        for i, r in enumerate(rows)
+        if r["commit"]["committed"] and not r["commit"].get("veto") and r["p"] is not None
+    ]
     if not cand or any(rows[i]["commit"].get("prefix_logp") is None for i in cand):
         return None
     keep = set(sorted(cand, key=lambda i: -rows[i]["commit"]["prefix_logp"])[:n_committed])
     runs = [r["commit"] if i in keep else r["discard"] for i, r in enumerate(rows)]
-    return {"committed_fraction": len(keep) / len(rows),
-            "judges": {name: quality_of(rows, runs, name) for name in JUDGES
-                       if all(JUDGES[name] in r["slow"] for r in rows)}}
-
-
+    return {
+        "committed_fraction": len(keep) / len(rows),
+        "judges": {
+            name: quality_of(rows, runs, name)
+            for name in JUDGES
+            if all(JUDGES[name] in r["slow"] for r in rows)
+        },
+    }
 
 
 def judge_labelled(rows: list[dict[str, Any]], margin: float = KEEP_MARGIN) -> list[tuple[float, int]]:
     """(verifier score, 1 iff committing the draft lost at most `margin` of the per-token likelihood
     judge's grade) for every row with a draft to commit and both grades."""
     key = JUDGES["likelihood"]
-    return [(float(r["p"]), int(r["slow"][key] - r["commit"][key] <= margin)) for r in rows
-            if r["p"] is not None and r["commit"]["committed"] and key in r["slow"] and key in r["commit"]]
+    return [
+        (float(r["p"]), int(r["slow"][key] - r["commit"][key] <= margin))
+        for r in rows
+        if r["p"] is not None and r["commit"]["committed"] and key in r["slow"] and key in r["commit"]
+    ]
 
 
-def summarise_relay(rows: list[dict[str, Any]], threshold: Point,
-                    points: dict[str, Point] | None = None) -> dict[str, Any]:
+def summarise_relay(
+    rows: list[dict[str, Any]], threshold: Point, points: dict[str, Point] | None = None
+) -> dict[str, Any]:
     """The relay at the engine's threshold, at the verifier's named operating points, and the sweep
     over every threshold that changes a decision (for the plot)."""
     labelled = [(r["p"], r["label"]) for r in rows if r["label"] is not None and r["p"] is not None]
@@ -468,7 +559,9 @@ def summarise_relay(rows: list[dict[str, Any]], threshold: Point,
 
     def with_decisions(point: Point) -> dict[str, Any]:
         ts = thresholds_for(rows, point)
-        return at_threshold(rows, point) | {"decisions": [relay_run(r, t) is r["commit"] for r, t in zip(rows, ts, strict=True)]}
+        return at_threshold(rows, point) | {
+            "decisions": [relay_run(r, t) is r["commit"] for r, t in zip(rows, ts, strict=True)]
+        }
 
     by_kind = {name: [i for i, r in enumerate(rows) if keep(r)] for name, keep in KINDS.items()}
     engine = with_decisions(threshold)
@@ -476,8 +569,11 @@ def summarise_relay(rows: list[dict[str, Any]], threshold: Point,
         "n": len(rows),
         "slow_scored": slow_scored_relay(rows, sum(engine["decisions"])),
         # the engine's point on single turns and on conversations apart (the long-session failure)
-        "by_kind": {name: at_threshold(rows, threshold, idx) | {"n": len(idx)}
-                    for name, idx in by_kind.items() if idx and len(idx) < len(rows)},
+        "by_kind": {
+            name: at_threshold(rows, threshold, idx) | {"n": len(idx)}
+            for name, idx in by_kind.items()
+            if idx and len(idx) < len(rows)
+        },
         "quality_mismatched": float(np.mean(floor)) if floor else float("nan"),
         # how well each judge tells slow-only's answer from the answer to another prompt, on these rows
         "judge_validity": judge_validity(rows),
@@ -501,65 +597,100 @@ def fmt_pct(x: float) -> str:
 
 def report(results: dict[str, Any]) -> str:
     lines = []
-    for key, title in (("turn_text", "turn-taking, held-out text"), ("turn_speech", "turn-taking, synthesised speech -> ASR")):
+    for key, title in (
+        ("turn_text", "turn-taking, held-out text"),
+        ("turn_speech", "turn-taking, synthesised speech -> ASR"),
+    ):
         m = results.get(key)
         if not m:
             continue
         lines.append(f"{title}:")
-        lines.append(f"  pause takeover    {fmt_pct(m['pause_takeover'])}  (n={m['n_listen']}, target <= 10 %)")
-        lines.append(f"  complete takeover {fmt_pct(m['complete_takeover'])}  (n={m['n_speak']}, target >= 90 %);"
-                     f" of which after the short hangover {fmt_pct(m['fast_takeover'])}")
+        lines.append(
+            f"  pause takeover    {fmt_pct(m['pause_takeover'])}  (n={m['n_listen']}, target <= 10 %)"
+        )
+        lines.append(
+            f"  complete takeover {fmt_pct(m['complete_takeover'])}  (n={m['n_speak']}, target >= 90 %);"
+            f" of which after the short hangover {fmt_pct(m['fast_takeover'])}"
+        )
         if m.get("n_backchannel"):
             lines.append(f"  backchannel recall {fmt_pct(m['backchannel_recall'])}  (n={m['n_backchannel']})")
         if m.get("n_overlap"):
-            lines.append(f"  backchannel vs interruption accuracy {fmt_pct(m['overlap_accuracy'])}  (n={m['n_overlap']})")
+            lines.append(
+                f"  backchannel vs interruption accuracy {fmt_pct(m['overlap_accuracy'])}  (n={m['n_overlap']})"
+            )
     r = results.get("relay")
     if r:
-        lines.append(f"relay vs slow-only (n={r['n']} prompts, same run; each prompt answered slow-only, with its "
-                     f"draft committed and with it discarded):")
-        lines.append(f"  verifier AUROC {r['verifier_auroc']:.3f} (n={r['n_labelled']} drafts labelled by the slow model)")
+        lines.append(
+            f"relay vs slow-only (n={r['n']} prompts, same run; each prompt answered slow-only, with its "
+            f"draft committed and with it discarded):"
+        )
+        lines.append(
+            f"  verifier AUROC {r['verifier_auroc']:.3f} (n={r['n_labelled']} drafts labelled by the slow model)"
+        )
         if r.get("n_judge_labelled"):
-            lines.append(f"  verifier AUROC {r['verifier_auroc_judge']:.3f} against what committing did to the answer "
-                         f"(n={r['n_judge_labelled']}; kept = loses at most {KEEP_MARGIN} of the per-token judge)")
+            lines.append(
+                f"  verifier AUROC {r['verifier_auroc_judge']:.3f} against what committing did to the answer "
+                f"(n={r['n_judge_labelled']}; kept = loses at most {KEEP_MARGIN} of the per-token judge)"
+            )
         pts = [("engine", r)] + list(r.get("operating_points", {}).items())
         for name, m in pts:
             o = m["onset_ms"]
-            thr = f"rolling threshold (mean {m['threshold']:.3f})" if m.get("rolling") else f"threshold {m['threshold']:.3f}"
+            thr = (
+                f"rolling threshold (mean {m['threshold']:.3f})"
+                if m.get("rolling")
+                else f"threshold {m['threshold']:.3f}"
+            )
             lines.append(
                 f"  {name:9s} {thr}: committed {fmt_pct(m['committed_fraction'])}; onset "
                 f"P50/P90 relay {o['relay']['p50']:.0f}/{o['relay']['p90']:.0f} ms vs slow-only "
                 f"{o['slow_only']['p50']:.0f}/{o['slow_only']['p90']:.0f} ms, P90 ratio {m['p90_ratio']:.2f} "
                 f"(target <= 0.50); quality {m['quality']['relay']:.2f} vs {m['quality']['slow_only']:.2f} "
                 f"= {fmt_pct(m['quality_ratio'])} (target >= 95 %), {fmt_pct(m['quality_kept'])} of the range above "
-                f"a mismatched answer kept; {m['answers_changed']} answers differ from slow-only")
+                f"a mismatched answer kept; {m['answers_changed']} answers differ from slow-only"
+            )
             for judge, q in (m.get("judges") or {}).items():
                 if judge != "rating":
-                    lines.append(f"  {'':9s} {judge} judge: {q['relay']:.3f} vs {q['slow_only']:.3f} = "
-                                 f"{fmt_pct(q['ratio'])} (target >= 95 %), {fmt_pct(q['kept'])} of the range kept; "
-                                 f"relay graded at least as well on {fmt_pct(q['not_worse'])} of prompts")
+                    lines.append(
+                        f"  {'':9s} {judge} judge: {q['relay']:.3f} vs {q['slow_only']:.3f} = "
+                        f"{fmt_pct(q['ratio'])} (target >= 95 %), {fmt_pct(q['kept'])} of the range kept; "
+                        f"relay graded at least as well on {fmt_pct(q['not_worse'])} of prompts"
+                    )
         for name, m in (r.get("by_kind") or {}).items():
             o = m["onset_ms"]
-            lines.append(f"  engine on {name} (n={m['n']}): committed {fmt_pct(m['committed_fraction'])}; onset P90 "
-                         f"{o['relay']['p90']:.0f} vs {o['slow_only']['p90']:.0f} ms ({m['p90_ratio']:.2f}); quality "
-                         f"{fmt_pct(m['quality_ratio'])}, {fmt_pct(m['quality_kept'])} of the range kept"
-                         + "".join(f"; {j} judge {fmt_pct(q['ratio'])}" for j, q in (m.get("judges") or {}).items()
-                                   if j != "rating"))
+            lines.append(
+                f"  engine on {name} (n={m['n']}): committed {fmt_pct(m['committed_fraction'])}; onset P90 "
+                f"{o['relay']['p90']:.0f} vs {o['slow_only']['p90']:.0f} ms ({m['p90_ratio']:.2f}); quality "
+                f"{fmt_pct(m['quality_ratio'])}, {fmt_pct(m['quality_kept'])} of the range kept"
+                + "".join(
+                    f"; {j} judge {fmt_pct(q['ratio'])}"
+                    for j, q in (m.get("judges") or {}).items()
+                    if j != "rating"
+                )
+            )
         c = r.get("copied_openings") or {}
         if c.get("n"):
-            lines.append(f"  answers starting with the first 3 words of an earlier answer (n={c['n']} prompts with "
-                         f"history): relay {fmt_pct(c['relay'])} vs slow-only {fmt_pct(c['slow_only'])}")
+            lines.append(
+                f"  answers starting with the first 3 words of an earlier answer (n={c['n']} prompts with "
+                f"history): relay {fmt_pct(c['relay'])} vs slow-only {fmt_pct(c['slow_only'])}"
+            )
         b = r.get("slow_scored")
         if b:
-            lines.append(f"  bound: the slow model's own score of each draft as the verifier, "
-                         f"{fmt_pct(b['committed_fraction'])} committed: "
-                         + ", ".join(f"{j} judge {fmt_pct(q['ratio'])}" for j, q in b["judges"].items()))
+            lines.append(
+                f"  bound: the slow model's own score of each draft as the verifier, "
+                f"{fmt_pct(b['committed_fraction'])} committed: "
+                + ", ".join(f"{j} judge {fmt_pct(q['ratio'])}" for j, q in b["judges"].items())
+            )
         for judge, v in (r.get("judge_validity") or {}).items():
-            lines.append(f"  ({judge} judge: slow-only's answer vs the answer to another prompt AUROC {v['auroc']:.3f}; "
-                         f"the other prompt's answer scores {fmt_pct(v['bad_ratio'])} of slow-only's: a wrong answer's "
-                         f"'quality ratio')")
+            lines.append(
+                f"  ({judge} judge: slow-only's answer vs the answer to another prompt AUROC {v['auroc']:.3f}; "
+                f"the other prompt's answer scores {fmt_pct(v['bad_ratio'])} of slow-only's: a wrong answer's "
+                f"'quality ratio')"
+            )
         if not r.get("judge_validity"):
-            lines.append(f"  (the judge grades the slow model's answer to another prompt {r['quality_mismatched']:.2f}: "
-                         f"the floor of its range)")
+            lines.append(
+                f"  (the judge grades the slow model's answer to another prompt {r['quality_mismatched']:.2f}: "
+                f"the floor of its range)"
+            )
     return "\n".join(lines)
 
 
@@ -576,7 +707,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
         rows = r["rows"]
         curves = [("slow-only", [row["slow"] for row in rows])]
         for name, m in sorted((r.get("operating_points") or {}).items()):
-            runs = [row["commit"] if d else row["discard"] for row, d in zip(rows, m["decisions"], strict=True)]
+            runs = [
+                row["commit"] if d else row["discard"] for row, d in zip(rows, m["decisions"], strict=True)
+            ]
             curves.append((f"relay, {name} ({fmt_pct(m['committed_fraction'])} committed)", runs))
         for label, runs in curves:
             xs = sorted(x["onset_s"] * 1000 for x in runs)
@@ -594,10 +727,19 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.plot(cf, [m["quality_ratio"] for m in sw], color="#2ca02c", label="quality ratio (rating judge)")
         for judge, color in (("likelihood", "#ff7f0e"), ("likelihood-total", "#8c564b")):
             if all(judge in (m.get("judges") or {}) for m in sw):
-                ax.plot(cf, [m["judges"][judge]["ratio"] for m in sw], color=color,
-                        label=f"quality ratio ({judge} judge)")
-        ax.plot(cf, [m["quality_kept"] for m in sw], color="#9467bd", ls="--",
-                label="rating judge: share kept above a mismatched answer")
+                ax.plot(
+                    cf,
+                    [m["judges"][judge]["ratio"] for m in sw],
+                    color=color,
+                    label=f"quality ratio ({judge} judge)",
+                )
+        ax.plot(
+            cf,
+            [m["quality_kept"] for m in sw],
+            color="#9467bd",
+            ls="--",
+            label="rating judge: share kept above a mismatched answer",
+        )
         ax.axhline(0.5, color="#1f77b4", ls=":", lw=1)
         ax.axhline(0.95, color="#2ca02c", ls=":", lw=1)
         for name, m in (r.get("operating_points") or {}).items():
@@ -638,15 +780,25 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--text", type=int, default=0, help="limit the held-out text examples (0 = all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="eval-out", help="folder for dialogue.json and dialogue.png")
-    ap.add_argument("--resummarise", metavar="JSON", default=None,
-                    help="run no model: recompute a previous run's relay summaries (its stored runs) with the "
-                         "current operating points and veto rules, and rewrite the report and plot in --out")
-    ap.add_argument("--rejudge", action="store_true",
-                    help="with --resummarise: grade the stored answers again with every judge of "
-                         "dialogue/training/judge.py (loads the slow model only; ~8 min for 480 prompts)")
-    ap.add_argument("--rescore", action="store_true",
-                    help="with --resummarise: draft each stored prompt again and score it with the current "
-                         "verifier (the stored runs stay: greedy answers do not depend on it; ~3 min)")
+    ap.add_argument(
+        "--resummarise",
+        metavar="JSON",
+        default=None,
+        help="run no model: recompute a previous run's relay summaries (its stored runs) with the "
+        "current operating points and veto rules, and rewrite the report and plot in --out",
+    )
+    ap.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="with --resummarise: grade the stored answers again with every judge of "
+        "dialogue/training/judge.py (loads the slow model only; ~8 min for 480 prompts)",
+    )
+    ap.add_argument(
+        "--rescore",
+        action="store_true",
+        help="with --resummarise: draft each stored prompt again and score it with the current "
+        "verifier (the stored runs stay: greedy answers do not depend on it; ~3 min)",
+    )
     ap.add_argument("--no-progress", action="store_true")
 
 
@@ -672,8 +824,9 @@ def rescore_rows(stage: Any, rows: list[dict[str, Any]], progress: bool = True) 
     return changed
 
 
-def resummarise(path: Path, profile_name: str | None, rejudge: bool = False,
-                progress: bool = True, rescore: bool = False) -> dict[str, Any]:
+def resummarise(
+    path: Path, profile_name: str | None, rejudge: bool = False, progress: bool = True, rescore: bool = False
+) -> dict[str, Any]:
     """A previous run's results with its relay rows re-judged: the veto recomputed for each stored
     draft (`verifier.draft_veto`) and the operating points of the profile's verifier; with `rejudge`,
     every stored answer graded again by the judges (the slow model's rating where a row lacks it); with
@@ -691,21 +844,29 @@ def resummarise(path: Path, profile_name: str | None, rejudge: bool = False,
     held = {prompt_key(p) for p in read_jsonl(DATA / "relay_eval.jsonl")}
     dropped = [r["text"] for r in rows if prompt_key(r) not in held]
     if dropped:
-        log.warning("eval dialogue: %d stored prompts are no longer held out and are left out: %s", len(dropped),
-                    ", ".join(repr(t) for t in dropped[:8]) + (" ..." if len(dropped) > 8 else ""))
+        log.warning(
+            "eval dialogue: %d stored prompts are no longer held out and are left out: %s",
+            len(dropped),
+            ", ".join(repr(t) for t in dropped[:8]) + (" ..." if len(dropped) > 8 else ""),
+        )
         rows = [r for r in rows if prompt_key(r) in held]
         results["dropped_prompts"] = len(dropped) + int(results.get("dropped_prompts") or 0)
     for r in rows:
         c = r["commit"]
         msgs = r["history"] + [{"role": "user", "content": r["text"]}]
-        c["veto"] = draft_veto(c["prefix"], previous_answer(msgs), r["text"],
-                               previous_request=previous_request(msgs)) if c["prefix"].strip() else None
+        c["veto"] = (
+            draft_veto(c["prefix"], previous_answer(msgs), r["text"], previous_request=previous_request(msgs))
+            if c["prefix"].strip()
+            else None
+        )
     if rejudge:
         from dialogue.engine import load_dialogue_stage
 
         stage = load_dialogue_stage(load_profile(profile_name).component("llm"), None, progress=progress)
         if stage.slow is None:
-            raise SystemExit("eval dialogue: the judge is the in-process slow model; this profile's llm is remote")
+            raise SystemExit(
+                "eval dialogue: the judge is the in-process slow model; this profile's llm is remote"
+            )
         need_rating = any("quality" not in r[v] for r in rows for v in VARIANTS)
         judge_rows(stage, rows, rating=need_rating, progress=progress)
         results["rejudged"] = time.strftime("%Y-%m-%d %H:%M")
@@ -719,10 +880,16 @@ def resummarise(path: Path, profile_name: str | None, rejudge: bool = False,
         stage = load_dialogue_stage(profile.component("llm"), drafter, progress=progress)
         changed = rescore_rows(stage, rows, progress)
         if changed:
-            log.warning("eval dialogue: %d of %d drafts differ from the stored ones (their stored runs are kept)",
-                        changed, len(rows))
-        results["rescored"] = {"date": time.strftime("%Y-%m-%d %H:%M"), "drafts_changed": changed,
-                               "verifier_labels": stage.verifier_meta.get("labels", "typical")}
+            log.warning(
+                "eval dialogue: %d of %d drafts differ from the stored ones (their stored runs are kept)",
+                changed,
+                len(rows),
+            )
+        results["rescored"] = {
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "drafts_changed": changed,
+            "verifier_labels": stage.verifier_meta.get("labels", "typical"),
+        }
     drafter = load_profile(profile_name).components.get("drafter")
     opts = DrafterOptions.from_mapping(drafter.options if drafter is not None else {})
     _, _, meta = load_verifier(None if opts.verifier == "shipped" else Path(opts.verifier).expanduser())
@@ -737,10 +904,14 @@ def run(args: argparse.Namespace) -> int:
 
     progress = not args.no_progress
     if args.resummarise:
-        return write_results(resummarise(Path(args.resummarise), args.profile, args.rejudge, progress,
-                                         args.rescore), Path(args.out))
+        return write_results(
+            resummarise(Path(args.resummarise), args.profile, args.rejudge, progress, args.rescore),
+            Path(args.out),
+        )
     if args.rejudge or args.rescore:
-        raise SystemExit("eval dialogue: --rejudge and --rescore work on the runs stored in a --resummarise file")
+        raise SystemExit(
+            "eval dialogue: --rejudge and --rescore work on the runs stored in a --resummarise file"
+        )
 
     from asr.moonshine import load_asr_stage
     from dialogue.engine import load_dialogue_stage
@@ -751,16 +922,24 @@ def run(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     drafter = profile.components.get("drafter")
     if drafter is None:
-        raise SystemExit(f"eval dialogue: profile {profile.name!r} has no drafter component (no turn heads to test)")
+        raise SystemExit(
+            f"eval dialogue: profile {profile.name!r} has no drafter component (no turn heads to test)"
+        )
     stage = load_dialogue_stage(profile.component("llm"), drafter, progress=progress)
     if stage.slow is None:
-        raise SystemExit("eval dialogue: the judge is the in-process slow model; this profile's llm is remote")
+        raise SystemExit(
+            "eval dialogue: the judge is the in-process slow model; this profile's llm is remote"
+        )
     speak_thr = float(stage.policy.speak_threshold)
     bc_thr = float(stage.policy.backchannel_threshold)
     take_thr = getattr(stage.policy, "take_threshold", None)
-    results: dict[str, Any] = {"profile": profile.name, "speak_threshold": speak_thr,
-                               "backchannel_threshold": bc_thr, "take_threshold": take_thr,
-                               "date": time.strftime("%Y-%m-%d %H:%M")}
+    results: dict[str, Any] = {
+        "profile": profile.name,
+        "speak_threshold": speak_thr,
+        "backchannel_threshold": bc_thr,
+        "take_threshold": take_thr,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
     turn_examples = read_jsonl(DATA / "turn_eval.jsonl")
     if args.text:
         random.Random(args.seed).shuffle(turn_examples)
@@ -771,8 +950,17 @@ def run(args: argparse.Namespace) -> int:
     if args.speech:
         asr = load_asr_stage(profile.component("asr"))
         t = time.perf_counter()
-        results["turn_speech"] = eval_turns_speech(stage, asr, read_jsonl(DATA / "turn_eval.jsonl"), args.speech,
-                                                   speak_thr, bc_thr, args.seed, progress, take_thr)
+        results["turn_speech"] = eval_turns_speech(
+            stage,
+            asr,
+            read_jsonl(DATA / "turn_eval.jsonl"),
+            args.speech,
+            speak_thr,
+            bc_thr,
+            args.seed,
+            progress,
+            take_thr,
+        )
         results["turn_speech"]["seconds"] = round(time.perf_counter() - t, 1)
     if args.relay_prompts:
         tts = load_tts_stage(profile.component("tts"))

@@ -51,18 +51,36 @@ def _check_package(cfg: ComponentConfig, required_glob: str | None) -> Component
     rel = cfg.weights.get("file")
     files = [base / rel] if rel else sorted(base.rglob(required_glob)) if required_glob else []
     if rel and not files[0].is_file():
-        return ComponentReport(cfg.name, cfg.backend, source, False, f"{files[0]} missing",
-                               f"pip install --force-reinstall {pip}")
+        return ComponentReport(
+            cfg.name,
+            cfg.backend,
+            source,
+            False,
+            f"{files[0]} missing",
+            f"pip install --force-reinstall {pip}",
+        )
     if required_glob and not files:
-        return ComponentReport(cfg.name, cfg.backend, source, False, f"no {required_glob} inside {base}",
-                               f"pip install --force-reinstall {pip}")
+        return ComponentReport(
+            cfg.name,
+            cfg.backend,
+            source,
+            False,
+            f"no {required_glob} inside {base}",
+            f"pip install --force-reinstall {pip}",
+        )
     size = sum(f.stat().st_size for f in files)
     want = cfg.weights.get("sha256")
     if want and rel:
         got = _sha256(files[0])
         if got != want:
-            return ComponentReport(cfg.name, cfg.backend, source, False, f"sha256 mismatch for {files[0]}",
-                                   f"pip install --force-reinstall {pip}")
+            return ComponentReport(
+                cfg.name,
+                cfg.backend,
+                source,
+                False,
+                f"sha256 mismatch for {files[0]}",
+                f"pip install --force-reinstall {pip}",
+            )
     what = ", ".join(f.name for f in files[:3]) + (" ..." if len(files) > 3 else "")
     return ComponentReport(cfg.name, cfg.backend, f"{source} ({base})", True, f"{what} ({size / 1e6:.1f} MB)")
 
@@ -84,13 +102,28 @@ def _check_llm(cfg: ComponentConfig, prepare: bool, verify: bool) -> ComponentRe
     else:
         source = str(w.path)
     if st.problems:
-        return ComponentReport(cfg.name, cfg.backend, source, False, "; ".join(st.problems),
-                               "run `duplex models --prepare` (or follow the message above)")
-    cache = f"cache {st.cache_dir}" if st.cached else "not converted yet (run `duplex models --prepare`, ~1 min)"
-    verified = {True: "sha256 ok", False: "sha256 MISMATCH", None: "sha256 not checked (--verify)"}[st.verified]
-    return ComponentReport(cfg.name, cfg.backend, source, st.cached and st.verified is not False,
-                           f"{verified}; {cache}",
-                           "" if st.cached else "duplex models --prepare")
+        return ComponentReport(
+            cfg.name,
+            cfg.backend,
+            source,
+            False,
+            "; ".join(st.problems),
+            "run `duplex models --prepare` (or follow the message above)",
+        )
+    cache = (
+        f"cache {st.cache_dir}" if st.cached else "not converted yet (run `duplex models --prepare`, ~1 min)"
+    )
+    verified = {True: "sha256 ok", False: "sha256 MISMATCH", None: "sha256 not checked (--verify)"}[
+        st.verified
+    ]
+    return ComponentReport(
+        cfg.name,
+        cfg.backend,
+        source,
+        st.cached and st.verified is not False,
+        f"{verified}; {cache}",
+        "" if st.cached else "duplex models --prepare",
+    )
 
 
 def _check_remote(cfg: ComponentConfig) -> ComponentReport:
@@ -100,11 +133,19 @@ def _check_remote(cfg: ComponentConfig) -> ComponentReport:
     from duplex.base.errors import ModelError
 
     try:
-        opts = RemoteLlmOptions.from_mapping({**cfg.options, "timeout_s": min(float(cfg.options.get("timeout_s", 5)), 5.0)})
+        opts = RemoteLlmOptions.from_mapping(
+            {**cfg.options, "timeout_s": min(float(cfg.options.get("timeout_s", 5)), 5.0)}
+        )
         models = RemoteChatLlm(opts).check()
     except (ConfigError, ModelError) as exc:
-        return ComponentReport(cfg.name, cfg.backend, str(cfg.options.get("base_url", "?")), False,
-                               str(exc).splitlines()[0], str(exc))
+        return ComponentReport(
+            cfg.name,
+            cfg.backend,
+            str(cfg.options.get("base_url", "?")),
+            False,
+            str(exc).splitlines()[0],
+            str(exc),
+        )
     return ComponentReport(cfg.name, cfg.backend, opts.base_url, True, f"reachable; serves {models}")
 
 
@@ -117,7 +158,9 @@ def _check_nemo(cfg: ComponentConfig) -> ComponentReport:
     if importlib.util.find_spec("nemo") is None:
         return ComponentReport(cfg.name, cfg.backend, source, False, "nemo-toolkit not installed", PIP_HINT)
     if w.get("name") and not w.get("path"):
-        return ComponentReport(cfg.name, cfg.backend, source, True, "published name: downloaded on first load")
+        return ComponentReport(
+            cfg.name, cfg.backend, source, True, "published name: downloaded on first load"
+        )
     path = Path(source).expanduser()
     if not path.is_file():
         return ComponentReport(cfg.name, cfg.backend, source, False, f"{path} missing")
@@ -140,7 +183,9 @@ def check_profile(profile: Profile, prepare: bool = False, verify: bool = False)
         elif "package" in cfg.weights:
             reports.append(_check_package(cfg, None))
         else:
-            reports.append(ComponentReport(name, cfg.backend, str(cfg.weights), False, "unknown backend for this build"))
+            reports.append(
+                ComponentReport(name, cfg.backend, str(cfg.weights), False, "unknown backend for this build")
+            )
     return reports
 
 

@@ -31,8 +31,13 @@ def build_stages(profile: Profile, progress: bool = True) -> Stages:
     from tts.hibari_tts import load_tts_stage
 
     backends = {name: c.backend for name, c in profile.components.items()}
-    expected = {"vad": ("silero-onnx",), "asr": ("moonshine", "nemo-streaming"), "llm": ("transformers-gguf", "openai-chat"),
-                "tts": ("hibari",), "drafter": ("transformers-gguf",)}
+    expected = {
+        "vad": ("silero-onnx",),
+        "asr": ("moonshine", "nemo-streaming"),
+        "llm": ("transformers-gguf", "openai-chat"),
+        "tts": ("hibari",),
+        "drafter": ("transformers-gguf",),
+    }
     for name, backend in expected.items():
         if backends.get(name) is not None and backends.get(name) not in backend:
             raise ValueError(
@@ -120,8 +125,14 @@ class DuplexService:
         self.sessions_total = 0
 
     @classmethod
-    def load(cls, profile_name: str | None = None, *, progress: bool = True, warm: bool = True,
-             limits: ServiceLimits | None = None) -> DuplexService:
+    def load(
+        cls,
+        profile_name: str | None = None,
+        *,
+        progress: bool = True,
+        warm: bool = True,
+        limits: ServiceLimits | None = None,
+    ) -> DuplexService:
         profile = load_profile(profile_name)
         stages = build_stages(profile, progress=progress)
         if warm:

@@ -51,8 +51,17 @@ KIND_HANGUP = 0x00
 KIND_UUID = 0x01
 KIND_DTMF = 0x03
 KIND_ERROR = 0xFF
-RATE_KINDS = {8000: 0x10, 12000: 0x11, 16000: 0x12, 24000: 0x13, 32000: 0x14, 44100: 0x15, 48000: 0x16,
-              96000: 0x17, 192000: 0x18}
+RATE_KINDS = {
+    8000: 0x10,
+    12000: 0x11,
+    16000: 0x12,
+    24000: 0x13,
+    32000: 0x14,
+    44100: 0x15,
+    48000: 0x16,
+    96000: 0x17,
+    192000: 0x18,
+}
 KIND_RATES = {kind: rate for rate, kind in RATE_KINDS.items()}
 FRAME_S = 0.02
 LOUD_RMS = 0.02  # a 10 ms block above this is answer audio, not silence (as in duplex.testing.twilio_sim)
@@ -191,9 +200,13 @@ class AudioSocketPeer:
         if self.recv_buffer_bytes is None:
             return await asyncio.open_connection(self.host, self.port)
         loop = asyncio.get_running_loop()
-        family, type_, proto, _, addr = (await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM))[0]
+        family, type_, proto, _, addr = (
+            await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        )[0]
         sock = socket.socket(family, type_, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.recv_buffer_bytes)  # before connect: the window
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_RCVBUF, self.recv_buffer_bytes
+        )  # before connect: the window
         sock.setblocking(False)
         try:
             await loop.sock_connect(sock, addr)
@@ -338,6 +351,7 @@ class AudioSocketPeer:
 
     async def wait_audio(self, after: float = -math.inf, limit_s: float = 10.0) -> PlayedFrame:
         """Until a server audio frame arrives at or after `after`; returns it."""
+
         def found() -> PlayedFrame | None:
             return next((f for f in self.frames if f.received >= after), None)
 
@@ -361,8 +375,9 @@ class AudioSocketPeer:
                     return
                 await asyncio.sleep(quiet_s - idle)
 
-    async def wait_for_answer(self, after: float | None = None, quiet_s: float = 0.6,
-                              limit_s: float = 15.0) -> np.ndarray:
+    async def wait_for_answer(
+        self, after: float | None = None, quiet_s: float = 0.6, limit_s: float = 15.0
+    ) -> np.ndarray:
         """Until audio arrived after `after` (default: the end of the last `say()`) and then nothing
         played for `quiet_s`; returns what was heard from `after` on."""
         after = self._last_said_end if after is None else after
@@ -447,7 +462,9 @@ class AudioSocketPeer:
                     await self._shutdown("server-hangup")
                     return
                 if kind not in KIND_RATES or length < 1:
-                    self.protocol_errors.append(f"server sent type 0x{kind:02x} length {length}: Asterisk hangs up")
+                    self.protocol_errors.append(
+                        f"server sent type 0x{kind:02x} length {length}: Asterisk hangs up"
+                    )
                     await self._shutdown("protocol-error")
                     return
                 try:

@@ -114,7 +114,9 @@ class EnergyVad(SequentialBatchMixin[EnergyVadState, np.ndarray, list[tuple[int,
     def init_state(self) -> EnergyVadState:
         return EnergyVadState()
 
-    def step(self, state: EnergyVadState, chunk: np.ndarray) -> tuple[list[tuple[int, float]], EnergyVadState]:
+    def step(
+        self, state: EnergyVadState, chunk: np.ndarray
+    ) -> tuple[list[tuple[int, float]], EnergyVadState]:
         buf = np.concatenate([state.leftover, chunk])
         out: list[tuple[int, float]] = []
         pos = 0
@@ -168,9 +170,14 @@ class ToneStreamingAsr(ToneAsr):
         words = tuple(Word(w, a, b) for w, a, b in decode_tone_words(seen, SR, tonal_only=True))
         trailing = len(seen) / SR - (words[-1].end if words else 0.0)
         return AsrResult(
-            " ".join(w.word for w in words), chunk.final, len(audio) / SR, words=words,
-            eou=bool(words) and trailing >= self.eou_s, trailing_silence_ms=round(1000 * trailing, 1),
-            no_words=not words and trailing >= self.eou_s), new
+            " ".join(w.word for w in words),
+            chunk.final,
+            len(audio) / SR,
+            words=words,
+            eou=bool(words) and trailing >= self.eou_s,
+            trailing_silence_ms=round(1000 * trailing, 1),
+            no_words=not words and trailing >= self.eou_s,
+        ), new
 
 
 @dataclass
@@ -344,7 +351,11 @@ class ReplayResult:
     core: SessionCore
 
     def events(self, type_: str | None = None) -> list[Any]:
-        return [o.item for o in self.outputs if not isinstance(o.item, bytes) and (type_ is None or o.item.type == type_)]
+        return [
+            o.item
+            for o in self.outputs
+            if not isinstance(o.item, bytes) and (type_ is None or o.item.type == type_)
+        ]
 
     def audio_frames(self) -> list[Timed]:
         return [o for o in self.outputs if isinstance(o.item, bytes)]
@@ -381,7 +392,12 @@ def replay(
     for t, ev in controls:
         heapq.heappush(queue, (t, next(seq), "control", ev))
     outputs: list[Timed] = []
-    stage_by_name = {"vad": core.stages.vad, "asr": core.stages.asr, "llm": core.stages.llm, "tts": core.stages.tts}
+    stage_by_name = {
+        "vad": core.stages.vad,
+        "asr": core.stages.asr,
+        "llm": core.stages.llm,
+        "tts": core.stages.tts,
+    }
     wake_pending: set[float] = set()
 
     def flush() -> None:

@@ -190,21 +190,35 @@ class TwilioPeer:
         """Open the WebSocket (raises websockets' InvalidStatus on e.g. 403) and start receiving."""
         self._loop = asyncio.get_running_loop()
         headers = {"X-Twilio-Signature": self._signature} if self._signature is not None else {}
-        self.ws = await connect(self.url, additional_headers=headers, compression=None,
-                                user_agent_header="duplex-twilio-peer", open_timeout=10)
+        self.ws = await connect(
+            self.url,
+            additional_headers=headers,
+            compression=None,
+            user_agent_header="duplex-twilio-peer",
+            open_timeout=10,
+        )
         self._tasks.append(asyncio.create_task(self._receiver(), name="twilio-peer-rx"))
         self._tasks.append(asyncio.create_task(self._echoer(), name="twilio-peer-marks"))
 
     async def start(self) -> None:
         """`connected`, `start`, then the microphone stream begins (silence until `say`)."""
         await self.send_json({"event": "connected", "protocol": "Call", "version": "1.0.0"})
-        await self.send_json({
-            "event": "start", "sequenceNumber": self._next_seq(), "streamSid": self.stream_sid,
-            "start": {
-                "accountSid": self.account_sid, "streamSid": self.stream_sid, "callSid": self.call_sid,
-                "tracks": ["inbound"], "mediaFormat": self.media_format, "customParameters": self.custom_parameters,
+        await self.send_json(
+            {
+                "event": "start",
+                "sequenceNumber": self._next_seq(),
+                "streamSid": self.stream_sid,
+                "start": {
+                    "accountSid": self.account_sid,
+                    "streamSid": self.stream_sid,
+                    "callSid": self.call_sid,
+                    "tracks": ["inbound"],
+                    "mediaFormat": self.media_format,
+                    "customParameters": self.custom_parameters,
+                },
             },
-        }, numbered=False)
+            numbered=False,
+        )
         self.t0 = self._now()
         if self.stream_audio:
             self._tasks.append(asyncio.create_task(self._microphone(), name="twilio-peer-mic"))
@@ -214,8 +228,15 @@ class TwilioPeer:
         self.stopped = True
         await self._cancel("twilio-peer-mic", "twilio-peer-marks")  # nothing follows a stop
         with contextlib.suppress(ConnectionClosed):
-            await self.send_json({"event": "stop", "sequenceNumber": self._next_seq(), "streamSid": self.stream_sid,
-                                  "stop": {"accountSid": self.account_sid, "callSid": self.call_sid}}, numbered=False)
+            await self.send_json(
+                {
+                    "event": "stop",
+                    "sequenceNumber": self._next_seq(),
+                    "streamSid": self.stream_sid,
+                    "stop": {"accountSid": self.account_sid, "callSid": self.call_sid},
+                },
+                numbered=False,
+            )
         if self.ws is not None:
             await self.ws.close()
 
@@ -251,8 +272,14 @@ class TwilioPeer:
             await self.ws.send(data)
 
     async def send_dtmf(self, digit: str) -> None:
-        await self.send_json({"event": "dtmf", "streamSid": self.stream_sid,
-                              "dtmf": {"track": "inbound_track", "digit": digit}}, numbered=True)
+        await self.send_json(
+            {
+                "event": "dtmf",
+                "streamSid": self.stream_sid,
+                "dtmf": {"track": "inbound_track", "digit": digit},
+            },
+            numbered=True,
+        )
 
     def _next_seq(self) -> str:
         self._seq += 1
@@ -289,7 +316,11 @@ class TwilioPeer:
         while True:
             bunch = self._rng.randint(2, self.max_bunch) if self._rng.random() < self.bunch_probability else 1
             frames = [self._mic_frame() for _ in range(bunch)]
-            due = self.t0 + (i + bunch) * FRAME_S + (self._rng.uniform(0, self.jitter_s) if self.jitter_s else 0.0)
+            due = (
+                self.t0
+                + (i + bunch) * FRAME_S
+                + (self._rng.uniform(0, self.jitter_s) if self.jitter_s else 0.0)
+            )
             last_send = max(last_send, due)
             await asyncio.sleep(max(0.0, last_send - self._now()))
             for frame in frames:
@@ -306,11 +337,19 @@ class TwilioPeer:
         return frame
 
     async def _send_frame(self, index: int, frame: np.ndarray) -> None:
-        await self.send_json({
-            "event": "media", "streamSid": self.stream_sid,
-            "media": {"track": "inbound", "chunk": str(index + 1), "timestamp": str(index * 20),
-                      "payload": base64.b64encode(float_to_ulaw(frame)).decode()},
-        }, numbered=True)
+        await self.send_json(
+            {
+                "event": "media",
+                "streamSid": self.stream_sid,
+                "media": {
+                    "track": "inbound",
+                    "chunk": str(index + 1),
+                    "timestamp": str(index * 20),
+                    "payload": base64.b64encode(float_to_ulaw(frame)).decode(),
+                },
+            },
+            numbered=True,
+        )
         self.frames_sent += 1
         self.send_times.append(self._now())
 
@@ -430,8 +469,9 @@ class TwilioPeer:
             return  # Twilio sends nothing after `stop`
         rec.echoed_at = self._now()
         with contextlib.suppress(ConnectionClosed):
-            await self.send_json({"event": "mark", "streamSid": self.stream_sid, "mark": {"name": rec.name}},
-                                 numbered=True)
+            await self.send_json(
+                {"event": "mark", "streamSid": self.stream_sid, "mark": {"name": rec.name}}, numbered=True
+            )
 
     # -- what the caller heard -----------------------------------------------------------------
 
@@ -502,8 +542,9 @@ class TwilioPeer:
                     return
                 await asyncio.sleep(poll)
 
-    async def wait_for_answer(self, after: float | None = None, quiet_s: float = 0.6,
-                              limit_s: float = 15.0) -> np.ndarray:
+    async def wait_for_answer(
+        self, after: float | None = None, quiet_s: float = 0.6, limit_s: float = 15.0
+    ) -> np.ndarray:
         """Wait until audio has played after `after` (default: the end of the last utterance) and
         playback then stayed idle for `quiet_s`; returns what was played from the answer's start."""
         if after is None:

@@ -85,7 +85,11 @@ class Gateway:
             f"http://{base}/  (browser client)",
             f"ws://{base}{NATIVE_PATH}  (native protocol)",
             f"ws://{base}/v1/twilio  (Twilio Media Streams"
-            + (", signatures checked)" if self.settings.twilio_auth_token else ", signatures NOT checked: set --twilio-auth-token)"),
+            + (
+                ", signatures checked)"
+                if self.settings.twilio_auth_token
+                else ", signatures NOT checked: set --twilio-auth-token)"
+            ),
             f"ws://{base}/v1/realtime  (OpenAI Realtime compatible)",
         ]
         if self.audiosocket is not None:
@@ -104,7 +108,9 @@ class Gateway:
             await self.server.close()
 
 
-async def run_gateway(service: DuplexService, settings: GatewaySettings, ready: asyncio.Event | None = None) -> None:
+async def run_gateway(
+    service: DuplexService, settings: GatewaySettings, ready: asyncio.Event | None = None
+) -> None:
     """Serve until cancelled (Ctrl-C / SIGTERM)."""
     gateway = Gateway(service, settings)
     await gateway.start()
