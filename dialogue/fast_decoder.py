@@ -16,7 +16,7 @@ runs the same arithmetic with the model's own weights in a plain loop:
   `transformers` writes them, and keys/values go into the same `DynamicCache` layers.
 
 The result equals `model.model(...).last_hidden_state` exactly on the models it accepts
-(`tests/test_fast_decoder.py`); `FastDecoder.supports(model)` says which: Llama and Qwen2 with SiLU
+(`tests/dialogue/test_fast_decoder.py`); `FastDecoder.supports(model)` says which: Llama and Qwen2 with SiLU
 MLPs, full attention and no tensor-parallel split. Anything else uses the `transformers` forward.
 """
 

@@ -383,7 +383,7 @@ def stage_prefix(state) -> str:
 
 def test_relay_hands_the_committed_prefix_to_a_remote_slow_model(tokenizer):
     from dialogue.remote_llm import RemoteChatLlm
-    from tests.test_remote_llm import FakeOpenAI
+    from tests.dialogue.test_remote_llm import FakeOpenAI
 
     fake = FakeOpenAI()
     try:

@@ -153,7 +153,7 @@ def test_examples_do_not_depend_on_string_hashing():
         "print(hashlib.sha256(json.dumps(D.overlap_examples([('s', 'g', 'What is two plus two?')])).encode())"
         ".hexdigest())"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     outs = {
         subprocess.run(
             [sys.executable, "-c", code],
@@ -273,7 +273,7 @@ def test_take_rule_takes_a_finished_thought_whichever_class_is_likelier():
     assert pol.decide_turn([0.03, 0.51, 0.46]) == BACKCHANNEL
     assert pol.decide_turn([0.03, 0.40, 0.57]) == SPEAK
     assert pol.decide_turn([0.41, 0.0, 0.59]) == LISTEN  # 1 - P(listen) = 0.59 < 0.6
-    # the evaluation applies the same rule as the policy (and the session core, tests/test_turn_policy.py)
+    # the evaluation applies the same rule as the policy (and the session core, tests/duplex/core/test_turn_policy.py)
     for probs in ([0.03, 0.51, 0.46], [0.03, 0.40, 0.57], [0.41, 0.0, 0.59], [0.9, 0.05, 0.05]):
         assert decide(probs, 0.7, 0.7, 0.6) == pol.decide_turn(probs)
         older = TurnPolicy(0.7, 0.7, 0.6)

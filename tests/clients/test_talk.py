@@ -30,7 +30,7 @@ from duplex.core.session import SR
 from duplex.runtime.service import DuplexService, ServiceLimits
 from duplex.testing.fakes import WORD_SECONDS, decode_tones, fake_stages, scripted_answer, tone_speech
 from duplex.transports.native import DuplexServer, ServerSettings
-from tests.test_echo import room_response
+from tests.clients.test_echo import room_response
 
 OUT_SR = 24000
 QUESTION = "what is the capital of france"

@@ -80,7 +80,7 @@ def test_shipped_model_streams_words_within_chunk_plus_lookahead(stage):
 
 def test_noise_is_no_word_to_the_decoder(stage):
     """`no_words`: what the session core uses to let a noisy room over an answer neither hold nor stop it
-    (tests/test_decoder_eou.py)."""
+    (tests/duplex/core/test_decoder_eou.py)."""
     noise = (0.05 * np.random.default_rng(0).standard_normal(2 * SR)).astype(np.float32)
     state = stage.init_state()
     for i in range(0, noise.size, SR // 50):

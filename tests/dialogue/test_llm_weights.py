@@ -17,7 +17,7 @@ import torch
 
 from dialogue import llm_weights as lw
 from dialogue.llm_weights import LlmWeights, ModelError
-from tests.test_llm_options import tiny_model, tiny_tokenizer
+from tests.dialogue.test_llm_options import tiny_model, tiny_tokenizer
 
 PARTS = [b"GGUF" + bytes(range(256)) * 3, b"second part" * 50, b"third" * 7]
 

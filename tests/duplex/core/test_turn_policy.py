@@ -2,8 +2,8 @@
 
 The scripted turn head calls a thought complete when it ends on a word like "france" or "four",
 mid-sentence otherwise; the scripted overlap head calls "yes" a backchannel and anything else an
-interruption (see duplex.testing.fakes). The real heads are tested in tests/test_turn_taking.py and
-through the server in tests/test_dialogue_real.py.
+interruption (see duplex.testing.fakes). The real heads are tested in tests/dialogue/test_turn_taking.py and
+through the server in tests/dialogue/test_dialogue_real.py.
 """
 
 from __future__ import annotations

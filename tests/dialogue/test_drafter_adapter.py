@@ -23,8 +23,8 @@ from dialogue import drafter_adapter as DA
 from dialogue.fast_decoder import FastDecoder
 from dialogue.training import train_drafter as TD
 from duplex.base.errors import ModelError
-from tests.test_engine import tiny
-from tests.test_engine import tokenizer as tokenizer  # noqa: F401  (the module-scoped fixture)
+from tests.dialogue.test_engine import tiny
+from tests.dialogue.test_engine import tokenizer as tokenizer  # noqa: F401  (the module-scoped fixture)
 
 SYSTEM = "You are a friendly voice assistant on a phone call."
 

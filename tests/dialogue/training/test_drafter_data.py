@@ -12,8 +12,8 @@ from dialogue.training import drafter_data as DD
 from dialogue.training import relay_features as RF
 from dialogue.training import relay_prompts as RP
 from dialogue.training import train_verifier as TV
-from tests.test_engine import tiny
-from tests.test_engine import tokenizer as tokenizer  # noqa: F401  (the module-scoped fixture)
+from tests.dialogue.test_engine import tiny
+from tests.dialogue.test_engine import tokenizer as tokenizer  # noqa: F401  (the module-scoped fixture)
 
 
 def test_relay_eval_prompts_are_held_out_and_never_trained_on() -> None:

@@ -47,7 +47,7 @@ def test_real_profile_reports_every_component():
 
 
 def test_remote_slow_model_is_checked_for_reachability():
-    from tests.test_remote_llm import MODEL, FakeOpenAI
+    from tests.dialogue.test_remote_llm import MODEL, FakeOpenAI
 
     fake = FakeOpenAI()
     try:

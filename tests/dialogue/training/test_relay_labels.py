@@ -15,8 +15,8 @@ import torch
 from dialogue.training import relay_features as RF
 from dialogue.training import relay_labels as RL
 from dialogue.training import train_verifier as TV
-from tests.test_engine import SYSTEM, tiny
-from tests.test_engine import tokenizer as tokenizer  # noqa: F401 (the fixture)
+from tests.dialogue.test_engine import SYSTEM, tiny
+from tests.dialogue.test_engine import tokenizer as tokenizer  # noqa: F401 (the fixture)
 
 
 def test_a_prefix_the_answer_starts_with_is_matched_word_by_word():

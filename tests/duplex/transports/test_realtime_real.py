@@ -19,7 +19,7 @@ from openai import AsyncOpenAI
 
 from codec.pcm import float_to_pcm16
 from duplex.transports.realtime import mount_realtime
-from tests.test_realtime import validate
+from tests.duplex.transports.test_realtime import validate
 
 pytestmark = pytest.mark.integration
 

@@ -28,7 +28,7 @@ from dialogue.verifier import (
     token_stats,
 )
 from duplex.base.errors import ModelError
-from tests.test_llm_options import tiny_model, tiny_tokenizer
+from tests.dialogue.test_llm_options import tiny_model, tiny_tokenizer
 
 # -- token_stats ------------------------------------------------------------------------------------
 

@@ -15,8 +15,8 @@ from dialogue.llm import stop_token_ids
 from dialogue.training.judge import LikelihoodJudge, LikelihoodScore, RatingJudge, validity
 from dialogue.verifier import chat_ids
 from duplex.eval.dialogue import judge_rows, summarise_relay
-from tests.test_engine import SYSTEM, tiny
-from tests.test_engine import tokenizer as tokenizer  # noqa: F401 (the fixture)
+from tests.dialogue.test_engine import SYSTEM, tiny
+from tests.dialogue.test_engine import tokenizer as tokenizer  # noqa: F401 (the fixture)
 
 HISTORY = [
     {"role": "user", "content": "how are you today"},

@@ -1,6 +1,6 @@
 """FastDecoder (dialogue/fast_decoder.py): the lean forward equals the transformers forward.
 
-Tiny seeded Llama and Qwen2 decoders (tests/test_kv_cache.py's), in float32, bfloat16 and the
+Tiny seeded Llama and Qwen2 decoders (tests/dialogue/test_kv_cache.py's), in float32, bfloat16 and the
 service's SmoothQuant int8; the fused int8 products must be bit-identical to the separate ones,
 and the model's own forward must still give the same numbers after fusing.
 """
@@ -16,7 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 from dialogue.fast_decoder import FastDecoder, FusedPart, unsupported_reason
 from dialogue.kv_cache import CachedLM
 from dialogue.llm_weights import quantize_int8_dynamic
-from tests.test_kv_cache import VOCAB, tiny_model
+from tests.dialogue.test_kv_cache import VOCAB, tiny_model
 
 
 @pytest.fixture(autouse=True)

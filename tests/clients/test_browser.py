@@ -32,7 +32,7 @@ from duplex.runtime.service import DuplexService
 from duplex.testing.fakes import fake_stages, scripted_answer, tone_speech
 from duplex.transports.native import DuplexServer, ServerSettings
 
-BROWSER_DIR = Path(__file__).parent / "browser"
+BROWSER_DIR = Path(__file__).resolve().parents[1] / "browser"
 DRIVER = BROWSER_DIR / "run_browser.mjs"
 CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
 MIC_RATE = 48000  # the WAV's rate; Chromium converts it to its fake device's format
