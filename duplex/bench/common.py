@@ -29,7 +29,6 @@ FRAME_SECONDS = FRAME_SAMPLES / SR
 #: targets drawn on the plot and checked in the summary
 TARGETS = {"onset_p50_s": 1.2, "onset_p90_s": 2.0, "barge_in_p50_s": 0.2}
 STALL_S = 0.1  # no answer frame for this long before the interruption's onset: the audio had stalled
-LATENCY_STAGES = ("end_of_turn", "final_transcript", "first_llm_token", "first_tts_chunk", "first_audio")
 
 QUESTIONS: tuple[str, ...] = (
     "What is the capital of France?",

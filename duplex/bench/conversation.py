@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from duplex.bench.common import LATENCY_STAGES, SR, STALL_S, Listener, Mic, Progress, Utterance, count_leaks
+from duplex.bench.common import SR, STALL_S, Listener, Mic, Progress, Utterance, count_leaks
+from duplex.core.events import LATENCY_STAGES
 
 # -- one conversation --------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from duplex.bench.common import LATENCY_STAGES, TARGETS
+from duplex.bench.common import TARGETS
+from duplex.core.events import LATENCY_STAGES
 
 
 def write_outputs(result: dict[str, Any], out_dir: str | Path, plot: bool = True) -> None:

@@ -50,7 +50,6 @@ import numpy as np
 from duplex.bench.common import (
     FRAME_SECONDS,
     INTERRUPTIONS,
-    LATENCY_STAGES,
     LONG_PROMPTS,
     QUESTIONS,
     SR,
@@ -70,6 +69,7 @@ from duplex.bench.common import (
 )
 from duplex.bench.conversation import Conversation
 from duplex.bench.report import write_outputs
+from duplex.core.events import LATENCY_STAGES
 
 log = logging.getLogger("duplex.bench.serve")
 

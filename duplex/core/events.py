@@ -109,6 +109,10 @@ class Interrupted(ServerEvent):
     played_text: str = ""
 
 
+#: the keys of `turn.latency`'s `stages`, in the order they happen: ms from the end of the user's speech
+LATENCY_STAGES = ("end_of_turn", "final_transcript", "first_llm_token", "first_tts_chunk", "first_audio")
+
+
 @dataclass(frozen=True)
 class TurnLatency(ServerEvent):
     """Per-turn latency breakdown in milliseconds from the end of the user's speech."""

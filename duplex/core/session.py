@@ -52,6 +52,7 @@ from duplex.core.events import (
     CLIENT_RESPONSE_CANCEL,
     CLIENT_RESPONSE_TRUNCATE,
     CLIENT_SESSION_UPDATE,
+    LATENCY_STAGES,
     Backchannel,
     ErrorEvent,
     Interrupted,
@@ -931,8 +932,7 @@ class SessionCore:
         base = resp.marks.get("speech_end")
         if base is None:
             return
-        order = ["end_of_turn", "final_transcript", "first_llm_token", "first_tts_chunk", "first_audio"]
-        stages = {k: round(1000 * (resp.marks[k] - base), 1) for k in order if k in resp.marks}
+        stages = {k: round(1000 * (resp.marks[k] - base), 1) for k in LATENCY_STAGES if k in resp.marks}
         self._emit(TurnLatency, turn_id=resp.turn_id, stages=stages, relay=dict(resp.relay))
 
     # -- learned turn-taking ---------------------------------------------------------------

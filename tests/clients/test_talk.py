@@ -568,3 +568,11 @@ def test_ctrl_c_in_live_mode_closes_everything_and_exits_0(threaded_server, monk
     assert code == 0 and err == "" and "Traceback" not in out
     assert room.speaker_on is not None and all(s.closed for s in room.streams.values())
     assert f"you: {QUESTION}" in out and "bot: paris" in out
+
+
+def test_the_latency_stages_shown_are_the_servers() -> None:
+    """The client names every stage of `turn.latency` (clients may not import the core: compare here)."""
+    from clients.talk.conversation import STAGE_NAMES
+    from duplex.core.events import LATENCY_STAGES
+
+    assert tuple(STAGE_NAMES) == LATENCY_STAGES
