@@ -22,4 +22,4 @@ def float_to_pcm16(samples: np.ndarray) -> bytes:
     # NaN/inf from a misbehaving model must not turn into full-scale clicks
     x = np.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0)
     # scale by 32768 and clip to the int16 range so decode(encode(decode(b))) == b exactly
-    return np.clip(np.rint(x * _SCALE), -32768, 32767).astype(_PCM16_LE).tobytes()
+    return bytes(np.clip(np.rint(x * _SCALE), -32768, 32767).astype(_PCM16_LE).tobytes())

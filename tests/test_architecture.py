@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "asr": {"duplex.base", "codec"},
     "tts": {"duplex.base", "codec"},
     "dialogue": {"duplex.base", "codec"},
-    "duplex.core": {"duplex.base"},
+    "duplex.core": {"duplex.base", "codec"},  # codec.pcm: the one PCM16 conversion
     **{r: {"duplex.base", *STAGES, *RECIPES} for r in RECIPES},
     "duplex.runtime": {"duplex.base", "duplex.core", *STAGES},
     "duplex.transports": {"duplex.base", "duplex.core", "duplex.runtime", "codec"},

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from codec.pcm import float_to_pcm16
 from duplex.base.audio import SAMPLE_RATE as SR
 
 log = logging.getLogger("duplex.bench")
@@ -111,10 +112,6 @@ def trim_speech(audio: np.ndarray, sr: int = SR, rel_db: float = -40.0, win_s: f
     return audio[int(loud[0]) * win : (int(loud[-1]) + 1) * win].copy()
 
 
-def to_pcm16(audio: np.ndarray) -> bytes:
-    return (np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
-
-
 class HibariSynth:
     """Text -> float32 speech at 16 kHz with hibari (sentences joined by a short pause), cached.
 
@@ -174,7 +171,7 @@ class Mic:
         self.ws = ws
         self.loop = loop
         # how a frame leaves: PCM16 bytes on the native WebSocket, or a transport link's own `send`
-        self._send = send if send is not None else (lambda frame: ws.send(to_pcm16(frame)))
+        self._send = send if send is not None else (lambda frame: ws.send(float_to_pcm16(frame)))
         self.frames_sent = 0
         self.max_lag_s = 0.0
         self._buf = np.zeros(0, np.float32)

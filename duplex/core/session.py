@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from codec.pcm import float_to_pcm16
 from duplex.base.audio import SAMPLE_RATE as SR
 from duplex.base.config import ConfigError, Profile, SessionOptions
 from duplex.base.cues import is_bare_cue
@@ -280,7 +281,7 @@ class SessionCore:
                 self._emit(ResponseAudioStarted, turn_id=resp.turn_id)
                 self._emit_latency(resp)
             for frame in frames:
-                self._outputs.append(_pcm16(frame))
+                self._outputs.append(float_to_pcm16(frame))
         self._maybe_complete()
 
     def next_wakeup(self) -> float | None:
@@ -1111,7 +1112,3 @@ def _ms(value: Any) -> float | None:
 def _slot(job: Job) -> str:
     """In-flight slots: one job per stage per session, except final transcriptions (own slot)."""
     return "asr.final" if job.label == "asr.final" else job.stage
-
-
-def _pcm16(frame: np.ndarray) -> bytes:
-    return bytes((np.clip(frame, -1.0, 1.0) * 32767.0).astype("<i2").tobytes())

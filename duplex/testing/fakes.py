@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from codec.pcm import pcm16_to_float
 from duplex.base.messages import (
     AsrChunk,
     AsrResult,
@@ -361,10 +362,7 @@ class ReplayResult:
         return [o for o in self.outputs if isinstance(o.item, bytes)]
 
     def audio(self, t0: float = 0.0, t1: float = float("inf")) -> np.ndarray:
-        frames = [np.frombuffer(o.item, dtype="<i2") for o in self.audio_frames() if t0 <= o.t < t1]
-        if not frames:
-            return np.zeros(0, dtype=np.float32)
-        return np.concatenate(frames).astype(np.float32) / 32767.0
+        return pcm16_to_float(b"".join(o.item for o in self.audio_frames() if t0 <= o.t < t1))
 
 
 def replay(
