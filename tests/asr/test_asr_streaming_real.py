@@ -91,7 +91,7 @@ def test_noise_is_no_word_to_the_decoder(stage):
 
 def test_session_core_on_the_streaming_asr_transcribes_while_the_user_speaks(stage):
     from asr.vad import load_vad_stage
-    from duplex.testing.fakes import FakeClock, replay
+    from duplex.testing.replay import FakeClock, replay
 
     profile = load_profile("cpu-streaming")
     from duplex.testing.fakes import fake_stages

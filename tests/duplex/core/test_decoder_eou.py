@@ -19,15 +19,14 @@ from duplex.core.endpointing import Endpointer
 from duplex.core.session import SR, SessionCore
 from duplex.testing.fakes import (
     EnergyVad,
-    FakeClock,
     ToneStreamingAsr,
     decode_tone_words,
     decode_tones,
     fake_turn_stages,
-    replay,
     scripted_answer,
     tone_speech,
 )
+from duplex.testing.replay import FakeClock, replay
 
 COSTS = {
     "vad": 0.002,

@@ -9,7 +9,8 @@ import pytest
 
 from duplex.base.config import load_profile
 from duplex.core.session import SR, SessionCore
-from duplex.testing.fakes import FakeClock, decode_tones, fake_stages, replay, tone_speech
+from duplex.testing.fakes import decode_tones, fake_stages, tone_speech
+from duplex.testing.replay import FakeClock, replay
 
 COSTS = {"vad": 0.002, "asr.partial": 0.05, "asr.final": 0.08, "llm.first": 0.2, "llm.step": 0.1, "tts": 0.02}
 

@@ -15,14 +15,8 @@ import numpy as np
 from duplex.base.config import load_profile
 from duplex.base.turn_policy import TurnPolicy
 from duplex.core.session import SR, SessionCore
-from duplex.testing.fakes import (
-    FakeClock,
-    decode_tones,
-    fake_turn_stages,
-    replay,
-    scripted_answer,
-    tone_speech,
-)
+from duplex.testing.fakes import decode_tones, fake_turn_stages, scripted_answer, tone_speech
+from duplex.testing.replay import FakeClock, replay
 
 COSTS = {
     "vad": 0.002,
