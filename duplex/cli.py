@@ -13,8 +13,9 @@ def _serve(args: argparse.Namespace) -> int:
     import uuid
 
     from duplex.base.config import ConfigError
+    from duplex.base.limits import load_limits
     from duplex.runtime.service import DuplexService, ServiceLimits
-    from duplex.transports.gateway import GatewaySettings, parse_host_port, run_gateway
+    from duplex.transports.gateway import GatewaySettings, exposure_problem, parse_host_port, run_gateway
     from duplex.transports.native import ServerSettings
 
     audiosocket = None
@@ -30,25 +31,45 @@ def _serve(args: argparse.Namespace) -> int:
     if uuids and audiosocket is None:
         print("duplex serve: --audiosocket-uuid needs --audiosocket HOST:PORT", file=sys.stderr)
         return 2
-    try:
-        service = DuplexService.load(
-            args.profile,
-            progress=True,
-            limits=ServiceLimits(max_sessions=args.max_sessions, bulk_workers=args.workers),
-        )
-    except (ConfigError, RuntimeError, ValueError) as exc:
-        print(f"duplex serve: cannot load models: {exc}", file=sys.stderr)
-        print("hint: `duplex models` shows what is missing and how to fix it", file=sys.stderr)
-        return 2
+    keys = list(args.api_key or []) + [
+        k.strip() for k in os.environ.get("DUPLEX_API_KEY", "").split(",") if k.strip()
+    ]
     settings = GatewaySettings(
         http=ServerSettings(
-            host=args.host, port=args.port, origins=tuple(args.origin) if args.origin else None
+            host=args.host,
+            port=args.port,
+            origins=tuple(args.origin) if args.origin else None,
+            api_keys=tuple(keys),
         ),
         twilio_auth_token=args.twilio_auth_token or os.environ.get("TWILIO_AUTH_TOKEN") or None,
         public_url=args.public_url,
         audiosocket=audiosocket,
         audiosocket_uuids=uuids,
     )
+    problem = exposure_problem(settings, insecure=args.insecure)
+    if problem is not None:
+        print(f"duplex serve: refusing to start: {problem}", file=sys.stderr)
+        return 2
+    try:
+        base = load_limits()
+        limits = ServiceLimits(**vars(base), bulk_workers=args.workers).with_overrides(
+            {name: getattr(args, name, None) for name in LIMIT_FLAGS}
+        )
+    except ConfigError as exc:
+        print(f"duplex serve: limits: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.tones:
+            from duplex.base.config import load_profile
+            from duplex.testing.fakes import fake_stages, scripted_answer
+
+            service = DuplexService(load_profile(args.profile), fake_stages(scripted_answer), limits=limits)
+        else:
+            service = DuplexService.load(args.profile, progress=True, limits=limits)
+    except (ConfigError, RuntimeError, ValueError) as exc:
+        print(f"duplex serve: cannot load models: {exc}", file=sys.stderr)
+        print("hint: `duplex models` shows what is missing and how to fix it", file=sys.stderr)
+        return 2
     try:
         asyncio.run(run_gateway(service, settings))
     except KeyboardInterrupt:
@@ -56,6 +77,23 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         service.close()
     return 0
+
+
+#: `duplex serve` flags that override models.yaml's `limits:` (docs/operations.md)
+LIMIT_FLAGS = {
+    "max_sessions": "sessions at once, all transports (HTTP 503 / close 1013)",
+    "max_connections_per_client": "connections at once per client address (HTTP 429)",
+    "max_session_s": "seconds a session may last (error session_expired, close 1000)",
+    "idle_timeout_s": "seconds without a client message before a session is closed (idle_timeout, 1000)",
+    "control_per_s": "control messages per second per session (rate_limited; a flood: 1008)",
+    "control_burst": "control messages allowed in a burst",
+    "max_text_chars": "characters of a typed user turn (text_too_long)",
+    "audio_burst_s": "seconds of audio a client may run ahead of real time before it is throttled",
+    "audio_close_s": "seconds ahead of real time that close the session (audio_too_fast, 1008)",
+    "stage_timeout_s": "seconds a stage job may run before it is abandoned (stage_failed)",
+    "max_stage_failures": "failed stage jobs before a session is closed (1011)",
+    "drain_timeout_s": "seconds answers in progress may take to finish on SIGTERM",
+}
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -96,9 +134,42 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8765)
     s.add_argument("--profile", default=None, help="profile in models.yaml (default: its default_profile)")
-    s.add_argument("--max-sessions", type=int, default=8)
     s.add_argument("--workers", type=int, default=1, help="bulk executor worker threads (ASR/LLM/TTS)")
-    s.add_argument("--origin", action="append", help="allowed browser Origin (repeatable); default: any")
+    s.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="API key clients send as 'Authorization: Bearer KEY' (repeatable; also $DUPLEX_API_KEY, "
+        "comma-separated); required unless the server listens on loopback only",
+    )
+    s.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve a non-loopback address without an API key (something in front must authenticate)",
+    )
+    s.add_argument(
+        "--origin",
+        action="append",
+        help="browser Origin allowed besides the page's own (repeatable; '*': any)",
+    )
+    s.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one object per line")
+    s.add_argument("--tones", action="store_true", help="tiny tone stages instead of models (tests, demos)")
+    for name, text in LIMIT_FLAGS.items():
+        kind = (
+            int
+            if name
+            in (
+                "max_sessions",
+                "max_connections_per_client",
+                "control_burst",
+                "max_text_chars",
+                "max_stage_failures",
+            )
+            else float
+        )
+        s.add_argument(
+            "--" + name.replace("_", "-"), type=kind, default=None, help=text + " (models.yaml limits:)"
+        )
     s.add_argument(
         "--twilio-auth-token",
         default=None,
@@ -223,10 +294,13 @@ def _eval_dialogue(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    level = logging.DEBUG if args.verbose else logging.INFO
+    if args.command == "serve":
+        from duplex.runtime.logs import setup_logging
+
+        setup_logging(level, args.log_format)
+    else:
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:
         logging.getLogger("websockets").setLevel(logging.WARNING)  # one line per HTTP request is noise
     return int(args.func(args) or 0)

@@ -59,6 +59,8 @@ SANS_IO = (
     "duplex.transports.twilio_protocol",
     "duplex.transports.audiosocket_protocol",
     "duplex.transports.realtime_protocol",
+    "duplex.transports.auth",
+    "duplex.base.limits",
 )
 
 

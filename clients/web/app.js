@@ -10,7 +10,7 @@ const MAX_WS_BUFFERED = 256 * 1024;  // bytes queued in the socket before we dro
 const MAX_BACKLOG_FRAMES = 100;      // 2 s of mic audio kept while the socket connects
 const CLOSE_REASONS = {
   1000: 'normal closure', 1001: 'server going away', 1006: 'connection lost (no close frame)',
-  1008: 'policy: the client did not read its audio fast enough', 1009: 'a frame was too large',
+  1008: 'policy: a limit was broken (see the error; e.g. output not read)', 1009: 'a frame was too large',
   1011: 'server error', 1013: 'server at capacity, try again later',
 };
 const LATENCY_KEYS = ['end_of_turn', 'final_transcript', 'first_llm_token', 'first_tts_chunk', 'first_audio'];
@@ -241,8 +241,8 @@ function sendMic(s, buf) {
     if (ws.bufferedAmount > MAX_WS_BUFFERED) { test.micFramesDropped++; return; }
     ws.send(buf);
     test.micFramesSent++;
-  } else if (ws && ws.readyState === WebSocket.CONNECTING) {
-    s.backlog.push(buf);  // the first words often come before the socket is open
+  } else if (!ws || ws.readyState === WebSocket.CONNECTING) {
+    s.backlog.push(buf);  // the first words often come before the socket is open (or the secret)
     if (s.backlog.length > MAX_BACKLOG_FRAMES) { s.backlog.shift(); test.micFramesDropped++; }
   } else {
     test.micFramesDropped++;
@@ -251,9 +251,55 @@ function sendMic(s, buf) {
 
 // -- connection --------------------------------------------------------------------------
 
-function connect(s) {
+// -- authentication ----------------------------------------------------------------------
+//
+// A server with API keys (/healthz says `auth: true`) needs one for every session, but a browser
+// cannot set headers on a WebSocket. So the page trades the key for a short-lived, single-use
+// client secret (POST /v1/realtime/client_secrets) and offers it as the subprotocol
+// `duplex-secret.SECRET`: the key itself never travels on the WebSocket, and a secret that leaks
+// from the page opens at most one session. A deployment's backend can mint the secret itself and
+// open the page as `/#secret=ek_...` (docs/operations.md); otherwise the page asks for the key,
+// which it keeps in sessionStorage for the next sessions of this tab.
+const KEY_STORE = 'duplexApiKey';
+
+async function sessionSecret() {
+  const fromPage = new URLSearchParams(location.hash.slice(1)).get('secret');
+  if (fromPage) {  // minted by the deployment's backend; single use, so forget it at once
+    history.replaceState(null, '', location.pathname + location.search);
+    test.secretFrom = 'page';
+    return fromPage;
+  }
+  const health = await fetch('/healthz', {cache: 'no-store'}).then((r) => r.json()).catch(() => ({}));
+  if (!health.auth) return null;
+  const key = $('apikey').value.trim() || sessionStorage.getItem(KEY_STORE) || '';
+  if (!key) {
+    $('keyrow').hidden = false;
+    throw new Error('this server needs an API key: enter it above, then press Reconnect');
+  }
+  const r = await fetch('/v1/realtime/client_secrets', {method: 'POST', headers: {Authorization: `Bearer ${key}`}});
+  if (!r.ok) {
+    sessionStorage.removeItem(KEY_STORE);
+    $('keyrow').hidden = false;
+    throw new Error(`the API key was refused (HTTP ${r.status})`);
+  }
+  sessionStorage.setItem(KEY_STORE, key);
+  test.secretFrom = 'key';
+  return (await r.json()).value;
+}
+
+async function connect(s) {
+  let secret = null;
+  try {
+    secret = await sessionSecret();
+  } catch (err) {
+    showError(`could not connect: ${err.message}`);
+    setStatus('disconnected');
+    return;
+  }
+  if (s.closing || sess !== s) return;  // stopped while we asked for the secret
   const proto = location.protocol === 'https:' ? 'wss:' : 'ws:';
-  const ws = s.ws = new WebSocket(`${proto}//${location.host}/v1/duplex`);
+  const protocols = secret ? ['duplex', `duplex-secret.${secret}`] : [];
+  const ws = s.ws = new WebSocket(`${proto}//${location.host}/v1/duplex`, protocols);
   ws.binaryType = 'arraybuffer';
   $('conn').textContent = 'connecting…';
   ws.onopen = () => {

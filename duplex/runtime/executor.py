@@ -8,6 +8,12 @@ deadline) are counted per budget label and reported by `stats()`.
 Jobs are split into two lanes so that a long, unpreemptible job (an LLM prefill, a Moonshine
 transcription) can never delay the tiny real-time jobs (the VAD windows that detect barge-in):
 the `realtime` lane has its own worker. Within a lane the order is EDF.
+
+Fault isolation: a batch that raises is re-run job by job, so only the session whose input broke
+the stage fails; a result that fails its stage's `check` (NaN audio, say) fails that one job; a
+job running past `stage_timeout_s` is abandoned (its future fails with `StageTimeout`) and its
+worker replaced, as is a worker that dies. The session core turns a failed job into an `error`
+event for that session only.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +34,38 @@ from duplex.base.stage import StreamingStage
 from duplex.core.jobs import Job
 
 log = logging.getLogger("duplex.runtime.executor")
+
+MAX_ABANDONED_WORKERS = 32  # hung threads cannot be killed; past this many, stop replacing them
+
+
+class StageFailure(RuntimeError):
+    """A stage job failed; `kind` is exception, memory, timeout, bad_output or worker_died."""
+
+    kind = "exception"
+
+
+class StageTimeout(StageFailure):
+    """The job ran past `stage_timeout_s`; its worker was replaced."""
+
+    kind = "timeout"
+
+
+class StageOutputError(StageFailure):
+    """The stage returned something its check refused (non-finite audio, probabilities out of range)."""
+
+    kind = "bad_output"
+
+
+class WorkerDied(StageFailure):
+    """The worker thread running the job ended with an exception that is not an `Exception`."""
+
+    kind = "worker_died"
+
+
+def failure_kind(exc: BaseException) -> str:
+    if isinstance(exc, StageFailure):
+        return exc.kind
+    return "memory" if isinstance(exc, MemoryError) else "exception"
 
 
 @dataclass
@@ -66,6 +104,10 @@ class DeviceExecutor:
         max_batch: int = 16,
         clock: Callable[[], float] = time.monotonic,
         on_thread_start: Callable[[], None] | None = None,
+        stage_timeout_s: float | None = None,
+        on_batch: Callable[[str, float, float, bool], None] | None = None,
+        on_failure: Callable[[str, str], None] | None = None,
+        on_restart: Callable[[str], None] | None = None,
     ) -> None:
         self._clock = clock
         self._stages: dict[str, StreamingStage[Any, Any, Any]] = {}
@@ -78,18 +120,37 @@ class DeviceExecutor:
         self._closed = False
         self._busy = 0
         self._on_thread_start = on_thread_start
-        self._threads = [
-            threading.Thread(target=self._worker, args=("realtime",), name="exec-realtime", daemon=True)
-        ] + [
-            threading.Thread(target=self._worker, args=("bulk",), name=f"exec-bulk-{i}", daemon=True)
-            for i in range(bulk_workers)
-        ]
-        for t in self._threads:
-            t.start()
+        self._checks: dict[str, Callable[[Any], None]] = {}
+        self._timeout = stage_timeout_s
+        self._on_batch = on_batch
+        self._on_failure = on_failure
+        self._on_restart = on_restart
+        self._tokens = itertools.count()
+        self._running: dict[int, tuple[float, list[Job]]] = {}  # worker token -> (monotonic start, batch)
+        self._abandoned: set[int] = set()
+        self._solo: set[int] = set()  # ids of jobs re-queued from a hung batch: they run alone
+        self.restarts = 0
+        self._threads: list[threading.Thread] = []
+        self._spawn("realtime")
+        for _ in range(bulk_workers):
+            self._spawn("bulk")
+        if stage_timeout_s is not None:
+            watchdog = threading.Thread(target=self._watchdog, name="exec-watchdog", daemon=True)
+            watchdog.start()
+            self._threads.append(watchdog)
 
-    def register(self, stage: StreamingStage[Any, Any, Any], name: str | None = None) -> None:
-        """Make a stage runnable; jobs name it by `name` (default: the stage's kind)."""
+    def register(
+        self,
+        stage: StreamingStage[Any, Any, Any],
+        name: str | None = None,
+        check: Callable[[Any], None] | None = None,
+    ) -> None:
+        """Make a stage runnable; jobs name it by `name` (default: the stage's kind).
+
+        `check(out)` runs on the worker for every result and raises to refuse it (the job fails)."""
         self._stages[name or stage.kind] = stage
+        if check is not None:
+            self._checks[name or stage.kind] = check
 
     def now(self) -> float:
         return self._clock()
@@ -144,8 +205,10 @@ class DeviceExecutor:
             self._cv.notify_all()
         for job in pending:
             job.future.set_exception(RuntimeError("executor closed"))
-        for t in self._threads:
-            t.join(timeout=5)
+        deadline = time.monotonic() + 5.0  # one bound for all: a hung stage must not stall shutdown
+        for t in list(self._threads):
+            if t is not threading.current_thread():
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
 
     # -- worker side -------------------------------------------------------------------
 
@@ -162,6 +225,8 @@ class DeviceExecutor:
                     len(batch) < self._max_batch
                     and job.stage == first.stage
                     and job.session_id not in sessions
+                    and id(first) not in self._solo
+                    and id(job) not in self._solo
                 ):
                     batch.append(job)
                     sessions.add(job.session_id)
@@ -171,36 +236,159 @@ class DeviceExecutor:
             lane.heap[:] = keep
         return batch
 
-    def _worker(self, lane_name: str) -> None:
+    def _spawn(self, lane_name: str) -> None:
+        token = next(self._tokens)
+        name = "exec-realtime" if lane_name == "realtime" else f"exec-bulk-{token}"
+        thread = threading.Thread(target=self._worker, args=(lane_name, token), name=name, daemon=True)
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _replace(self, lane_name: str, reason: str) -> None:
+        """Start a new worker for a lane whose worker hung or died (call with the lock held)."""
+        if self._closed:
+            return
+        if len(self._abandoned) >= MAX_ABANDONED_WORKERS:
+            log.critical(
+                "not replacing a %s worker (%s): %d workers already abandoned",
+                lane_name,
+                reason,
+                len(self._abandoned),
+            )
+            return
+        self.restarts += 1
+        log.error("replacing a %s worker (%s)", lane_name, reason)
+        self._spawn(lane_name)
+        if self._on_restart is not None:
+            self._on_restart(reason)
+
+    def _worker(self, lane_name: str, token: int) -> None:
         if self._on_thread_start is not None:
             self._on_thread_start()
         lane = self._lanes[lane_name]
-        while True:
+        batch: list[Job] = []
+        try:
+            while True:
+                with self._cv:
+                    while not lane.heap and not self._closed:
+                        self._cv.wait()
+                    if self._closed:
+                        return
+                    batch = self._take_batch(lane)
+                    self._busy += 1
+                    self._running[token] = (time.monotonic(), batch)
+                try:
+                    self._run_batch(batch)
+                finally:
+                    with self._cv:
+                        self._busy -= 1
+                        self._running.pop(token, None)
+                        abandoned = token in self._abandoned
+                        self._abandoned.discard(token)
+                if abandoned:  # the watchdog gave up on this thread and started another
+                    return
+                batch = []
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt...: the thread dies; replace it
+            log.critical("%s worker died: %r", lane_name, exc)
+            self._fail(batch, WorkerDied(f"the worker running this job died: {exc!r}"))
             with self._cv:
-                while not lane.heap and not self._closed:
-                    self._cv.wait()
+                if token not in self._abandoned:
+                    self._replace(lane_name, "died")
+                self._abandoned.discard(token)
+
+    def _watchdog(self) -> None:
+        assert self._timeout is not None
+        period = min(0.05, self._timeout / 4)
+        while True:
+            hung: list[tuple[str, list[Job]]] = []
+            with self._cv:
                 if self._closed:
                     return
-                batch = self._take_batch(lane)
-                self._busy += 1
+                now = time.monotonic()
+                for token, (started, batch) in self._running.items():
+                    if token not in self._abandoned and now - started > self._timeout:
+                        self._abandoned.add(token)
+                        lane = "realtime" if batch[0].stage in self._realtime else "bulk"
+                        self._replace(lane, "hang")
+                        if len(batch) > 1:
+                            # which job hangs is unknown: run each alone; only the culprit hangs again
+                            log.warning(
+                                "a batch of %d %s jobs hung; re-running them one by one",
+                                len(batch),
+                                batch[0].stage,
+                            )
+                            for job in batch:
+                                self._solo.add(id(job))
+                                heapq.heappush(self._lanes[lane].heap, (job.deadline, next(self._seq), job))
+                            self._cv.notify_all()
+                        else:
+                            self._solo.discard(id(batch[0]))
+                            hung.append((lane, batch))
+                self._cv.wait(period)
+            for _, batch in hung:
+                log.error(
+                    "stage %s hung for over %.1f s on a batch of %d",
+                    batch[0].stage,
+                    self._timeout,
+                    len(batch),
+                )
+                self._fail(batch, StageTimeout(f"{batch[0].stage} took longer than {self._timeout:g} s"))
+
+    def _fail(self, jobs: list[Job], error: BaseException) -> None:
+        for job in jobs:
+            if self._settle(job, error=error) and self._on_failure is not None:
+                self._on_failure(job.stage, failure_kind(error))
+
+    @staticmethod
+    def _settle(job: Job, result: Any = None, error: BaseException | None = None) -> bool:
+        """Resolve a job's future once; False if it was already resolved (abandoned by the watchdog)."""
+        try:
+            if error is not None:
+                job.future.set_exception(error)
+            else:
+                job.future.set_result(result)
+        except InvalidStateError:
+            return False
+        return True
+
+    def _step_each(self, stage: StreamingStage[Any, Any, Any], batch: list[Job]) -> list[Any]:
+        """Results of a batch, or per job an exception: a failing batch is re-run job by job."""
+        try:
+            return list(stage.step_batch([(job.state, job.chunk) for job in batch]))
+        except Exception as exc:  # a stage failure must fail its jobs, not the worker
+            if len(batch) == 1:
+                log.error("stage %s failed: %r", batch[0].stage, exc)
+                return [exc]
+            log.warning(
+                "stage %s failed on a batch of %d; re-running it job by job", batch[0].stage, len(batch)
+            )
+        out: list[Any] = []
+        for job in batch:
             try:
-                self._run_batch(batch)
-            finally:
-                with self._cv:
-                    self._busy -= 1
+                out.append(stage.step_batch([(job.state, job.chunk)])[0])
+            except Exception as exc:
+                log.error("stage %s failed for session %s: %r", job.stage, job.session_id, exc)
+                out.append(exc)
+        return out
 
     def _run_batch(self, batch: list[Job]) -> None:
         stage = self._stages[batch[0].stage]
+        check = self._checks.get(batch[0].stage)
         start = self._clock()
-        try:
-            results = stage.step_batch([(job.state, job.chunk) for job in batch])
-            error: BaseException | None = None
-        except Exception as exc:  # a stage failure must fail its jobs, not the worker
-            log.exception("stage %s failed on a batch of %d", batch[0].stage, len(batch))
-            results, error = [], exc
+        results = self._step_each(stage, batch)
         end = self._clock()
+        outcomes: list[tuple[Any, BaseException | None]] = []
+        for result in results:
+            if isinstance(result, BaseException):
+                outcomes.append((None, result))
+                continue
+            try:
+                if check is not None:
+                    check(result[0])
+                outcomes.append((result, None))
+            except Exception as exc:
+                outcomes.append((None, StageOutputError(f"{batch[0].stage} output refused: {exc}")))
         with self._cv:
-            for job in batch:
+            for job, (_, error) in zip(batch, outcomes, strict=True):
                 s = self._stats[job.label]
                 s.count += 1
                 s.waits.append(start - job.submitted)
@@ -211,9 +399,14 @@ class DeviceExecutor:
                     s.overruns += 1
                 if error is not None:
                     s.failures += 1
-        if error is not None:
-            for job in batch:
-                job.future.set_exception(error)
-            return
-        for job, result in zip(batch, results, strict=True):
-            job.future.set_result(result)
+        if self._solo:
+            with self._cv:
+                for job in batch:
+                    self._solo.discard(id(job))
+        for job, (result, error) in zip(batch, outcomes, strict=True):
+            if self._on_batch is not None:
+                self._on_batch(job.label, start - job.submitted, end - start, end > job.deadline)
+            if error is not None:
+                self._fail([job], error)
+            else:
+                self._settle(job, result)

@@ -1,8 +1,14 @@
-"""The service: one profile's stages, one device executor, and the sessions sharing them."""
+"""The service: one profile's stages, one device executor, and the sessions sharing them.
+
+It also owns what is shared by every transport: the limits (`ServiceLimits`), the metrics, the
+runners of open sessions (a drain ends them) and the draining flag (`/readyz`).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -12,10 +18,22 @@ from typing import Any
 import numpy as np
 
 from duplex.base.config import Profile, SessionOptions, load_profile
-from duplex.base.messages import AsrChunk, ListenStep, RespondStep, TtsInput
+from duplex.base.limits import CLOSE_GOING_AWAY, SERVER_SHUTDOWN, ServerLimits
+from duplex.base.messages import (
+    AsrChunk,
+    AsrResult,
+    ListenOutput,
+    ListenStep,
+    OverlapOutput,
+    RespondOutput,
+    RespondStep,
+    TtsInput,
+)
 from duplex.core.session import SR, SessionCore
 from duplex.core.stages import Stages
 from duplex.runtime.executor import DeviceExecutor
+from duplex.runtime.metrics import Metrics
+from duplex.runtime.runner import SessionRunner
 
 log = logging.getLogger("duplex.runtime.service")
 
@@ -96,10 +114,56 @@ def warm_up(stages: Stages) -> dict[str, float]:
     return times
 
 
-@dataclass
-class ServiceLimits:
-    max_sessions: int = 8
+@dataclass(frozen=True)
+class ServiceLimits(ServerLimits):
+    """The server's limits (`duplex.base.limits.ServerLimits`) and its executor's bulk workers."""
+
     bulk_workers: int = 1
+
+
+# -- output checks: a stage result that would poison a session fails that job instead ----------
+
+
+def _finite(x: Any, what: str) -> None:
+    a = np.asarray(x)
+    if a.size and (a.dtype.kind not in "fiu" or not np.isfinite(a).all()):
+        raise ValueError(f"{what} has non-finite values")
+
+
+def check_vad(out: Any) -> None:
+    for _, p in out:
+        if not (isinstance(p, (int, float, np.floating)) and 0.0 <= float(p) <= 1.0):
+            raise ValueError(f"speech probability {p!r} is not in [0, 1]")
+
+
+def check_asr(out: Any) -> None:
+    if out is not None and (not isinstance(out, AsrResult) or not isinstance(out.text, (str, type(None)))):
+        raise ValueError(f"not an AsrResult: {type(out).__name__}")
+
+
+def check_llm(out: Any) -> None:
+    if isinstance(out, RespondOutput):
+        if not isinstance(out.text, str):
+            raise ValueError("respond text is not a string")
+    elif isinstance(out, ListenOutput):
+        if len(out.probs) != 3 or not all(math.isfinite(p) for p in out.probs):
+            raise ValueError(f"turn probabilities {out.probs!r} are not finite")
+    elif isinstance(out, OverlapOutput):
+        if not math.isfinite(out.p_interrupt):
+            raise ValueError("overlap probability is not finite")
+
+
+def check_tts(out: Any) -> None:
+    for chunk in out:
+        _finite(chunk.audio, "TTS audio")
+
+
+STAGE_CHECKS: dict[str, Callable[[Any], None]] = {
+    "vad": check_vad,
+    "asr": check_asr,
+    "llm": check_llm,
+    "tts": check_tts,
+}
 
 
 class DuplexService:
@@ -117,12 +181,24 @@ class DuplexService:
         self.stages = stages
         self.limits = limits or ServiceLimits()
         self.clock = clock
-        self.executor = DeviceExecutor(bulk_workers=self.limits.bulk_workers, clock=clock)
+        self.metrics = Metrics()
+        self.executor = DeviceExecutor(
+            bulk_workers=self.limits.bulk_workers,
+            clock=clock,
+            stage_timeout_s=self.limits.stage_timeout_s,
+            on_batch=self.metrics.observe_batch,
+            on_failure=self.metrics.observe_failure,
+            on_restart=self.metrics.observe_restart,
+        )
         for stage_name in ("vad", "asr", "llm", "tts"):
-            self.executor.register(getattr(stages, stage_name), name=stage_name)
+            self.executor.register(
+                getattr(stages, stage_name), name=stage_name, check=STAGE_CHECKS[stage_name]
+            )
         self.sessions: dict[str, SessionCore] = {}
+        self.runners: dict[str, SessionRunner] = {}
         self.started = time.time()
         self.sessions_total = 0
+        self.draining = False
 
     @classmethod
     def load(
@@ -142,7 +218,50 @@ class DuplexService:
     def full(self) -> bool:
         return len(self.sessions) >= self.limits.max_sessions
 
+    def ready(self) -> bool:
+        """Whether a load balancer should send new sessions here (`/readyz`)."""
+        return not self.draining and not self.full()
+
+    def attach(self, runner: SessionRunner, transport: str) -> None:
+        """Register a started session's runner (for drain and metrics)."""
+        self.runners[runner.core.session_id] = runner
+        self.metrics.sessions.labels(transport).inc()
+        self.metrics.sessions_active.set(len(self.sessions))
+
+    def answering(self) -> int:
+        """Sessions with an answer in progress."""
+        return sum(1 for r in self.runners.values() if r.answering())
+
+    async def drain(self, deadline_s: float, poll_s: float = 0.05) -> None:
+        """Stop taking sessions, let answers in progress finish (up to `deadline_s`), then end every
+        session with 1001 "going away" and wait (briefly) for them to close."""
+        self.draining = True
+        self.metrics.draining.set(1)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + deadline_s
+        # answers end in many places of many cores: a 50 ms poll is simpler than an event per core
+        while self.answering() and loop.time() < until:  # noqa: ASYNC110
+            await asyncio.sleep(poll_s)
+        left = self.answering()
+        log.info(
+            "drain: %s; closing %d sessions",
+            "answers finished" if not left else f"{left} cut off",
+            len(self.runners),
+        )
+        for runner in list(self.runners.values()):
+            runner.end(
+                CLOSE_GOING_AWAY,
+                "server shutting down",
+                SERVER_SHUTDOWN,
+                "the server is shutting down; reconnect to another instance",
+            )
+        close_until = loop.time() + 5.0
+        while self.sessions and loop.time() < close_until:  # noqa: ASYNC110 (as above)
+            await asyncio.sleep(poll_s)
+
     def open_session(self, options: SessionOptions | None = None) -> SessionCore:
+        if self.draining:
+            raise CapacityError("server is shutting down")
         if self.full():
             raise CapacityError(f"server is at capacity ({self.limits.max_sessions} sessions)")
         session_id = uuid.uuid4().hex[:12]
@@ -153,12 +272,15 @@ class DuplexService:
 
     def close_session(self, session_id: str) -> None:
         core = self.sessions.pop(session_id, None)
+        self.runners.pop(session_id, None)
+        self.metrics.session_closed(session_id)
+        self.metrics.sessions_active.set(len(self.sessions))
         if core is not None:
             core.close()
 
     def health(self) -> dict[str, Any]:
         return {
-            "status": "ok",
+            "status": "draining" if self.draining else "ok",
             "profile": self.profile.name,
             "sessions": len(self.sessions),
             "max_sessions": self.limits.max_sessions,

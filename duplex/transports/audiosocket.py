@@ -29,8 +29,9 @@ import time
 import uuid
 from collections.abc import Callable, Collection
 
+from duplex.base.limits import ClientCounts
 from duplex.core.events import DtmfReceived, Interrupted, ResponseDone, ServerEvent, SessionStarted
-from duplex.runtime.runner import Output, SessionRunner
+from duplex.runtime.runner import ClientTooSlow, Output, SessionRunner
 from duplex.runtime.service import CapacityError, DuplexService
 from duplex.transports.audiosocket_protocol import (
     AUDIO_KINDS,
@@ -50,7 +51,7 @@ from duplex.transports.audiosocket_protocol import (
     frame_bytes,
     hangup_message,
 )
-from duplex.transports.common import open_session
+from duplex.transports.common import ClientGuard, open_session
 from duplex.transports.wire_audio import AudioIn, AudioOut
 
 log = logging.getLogger("duplex.transports.audiosocket")
@@ -117,6 +118,7 @@ class AudioSocketServer:
         self._server: asyncio.Server | None = None
         self._calls: dict[asyncio.Task[None], _Call] = {}
         self._closing = False
+        self.clients = ClientCounts(service.limits.max_connections_per_client)
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.host, self._port)
@@ -179,14 +181,23 @@ class AudioSocketServer:
         assert task is not None
         call = _Call(self, reader, writer)
         self._calls[task] = call
+        client = str(call.peer[0]) if call.peer else "?"
+        counted = False
         try:
-            if self._closing:  # accepted just before close(): it would outlive the server
+            if self._closing or self.service.draining:  # it would outlive the server
                 call.hang_up("server shutting down")
+                return
+            counted = self.clients.acquire(client)
+            if not counted:
+                self.service.metrics.refused.labels("too_many_connections").inc()
+                call.hang_up(f"more than {self.clients.limit} connections from {client}")
                 return
             await call.run()
         except Exception:  # a bug must end only this call, never the listener
             log.exception("AudioSocket call from %s failed", call.peer)
         finally:
+            if counted:
+                self.clients.release(client)
             await call.finish()
             del self._calls[task]
 
@@ -203,6 +214,7 @@ class _Call:
         self.peer = writer.get_extra_info("peername")
         self.call_uuid: uuid.UUID | None = None
         self.session_id = ""
+        self.guard: ClientGuard | None = None
         self.started = time.monotonic()
         self.reason = ""  # why the call ended: the first cause wins (an abort also ends the read loop)
         self.frames_in = 0
@@ -237,8 +249,16 @@ class _Call:
 
     async def _run_session(self) -> None:
         try:
-            async with open_session(self.server.service, self._send) as runner:
+
+            async def terminate(code: int, reason: str) -> None:
+                self.hang_up(reason)  # AudioSocket has no close codes: the error event says why
+
+            service = self.server.service
+            async with open_session(
+                service, self._send, transport="audiosocket", terminate=terminate
+            ) as runner:
                 self.session_id = runner.core.session_id
+                self.guard = ClientGuard(runner, service.limits, service.metrics)
                 log.info(
                     "AudioSocket call %s from %s: session %s", self.call_uuid, self.peer, self.session_id
                 )
@@ -332,8 +352,12 @@ class _Call:
         self._emit_started(runner)
         while True:
             self._dispatch(runner, message)
-            if runner.failed is not None:
+            if isinstance(message, Audio) and self.guard is not None:
+                await self.guard.audio(len(message.pcm) / 2 / message.rate)
+            if isinstance(runner.failed, ClientTooSlow):
                 raise PeerStuck(f"dropped: {runner.failed}")
+            if runner.ending is not None:
+                raise EndCall(f"ended: {runner.ending}", False)
             message = await self._read_message()
 
     def _dispatch(self, runner: SessionRunner, message: Message) -> None:

@@ -21,13 +21,25 @@ from typing import Any
 import numpy as np
 
 from duplex.base.audio import SAMPLE_RATE as SR
-from duplex.core.events import CLIENT_EVENT_TYPES, CLIENT_SESSION_START, ServerEvent
+from duplex.core.events import (
+    CLIENT_EVENT_TYPES,
+    CLIENT_INPUT_TEXT,
+    CLIENT_PLAYOUT,
+    CLIENT_RESPONSE_TRUNCATE,
+    CLIENT_SESSION_START,
+    CLIENT_SESSION_UPDATE,
+    ServerEvent,
+)
 from duplex.transports.wire_audio import AudioFormatError, AudioIn
 
 # HTTP routes on the server's port (besides the browser client's static files)
 NATIVE_PATH = "/v1/duplex"
 HEALTH_PATH = "/healthz"
+READY_PATH = "/readyz"  # 503 while draining or full: what a load balancer's health check asks
 STATS_PATH = "/stats"
+METRICS_PATH = "/metrics"  # Prometheus
+CLIENT_SECRETS_PATH = "/v1/realtime/client_secrets"  # POST with the API key: a browser's single-use secret
+MAX_TEXT_CHARS = 4000  # default for input.text (the server's limit `max_text_chars` overrides it)
 
 SUPPORTED_RATES = (8000, 11025, 16000, 22050, 24000, 32000, 44100, 48000)
 MAX_FRAME_BYTES = 64 * 1024  # 0.68 s at 48 kHz; larger frames are refused by the library (1009)
@@ -68,13 +80,26 @@ class ControlMessage:
 ClientMessage = SessionStart | ControlMessage
 
 
-def parse_text(message: str, *, started: bool) -> ClientMessage:
+def parse_text(message: str, *, started: bool, max_text_chars: int = MAX_TEXT_CHARS) -> ClientMessage:
     """One JSON text frame; `started`: whether the session has started (explicitly or by audio).
 
     Raises ProtocolError: too_large, bad_json, bad_event, unknown_event, already_started,
-    unsupported_sample_rate, bad_option.
+    unsupported_sample_rate, bad_option, text_too_long.
     """
     event = parse_json(message)
+    kind = event["type"]
+    if kind == CLIENT_SESSION_UPDATE and not isinstance(event.get("options") or {}, dict):
+        raise ProtocolError("bad_option", "options must be an object")
+    if kind in (CLIENT_PLAYOUT, CLIENT_RESPONSE_TRUNCATE):
+        turn = event.get("turn_id")
+        if "turn_id" in event and (isinstance(turn, bool) or not isinstance(turn, int)):
+            raise ProtocolError("bad_event", f"{kind}: turn_id must be an integer")
+    if kind == CLIENT_INPUT_TEXT:
+        text = event.get("text")
+        if isinstance(text, str) and len(text) > max_text_chars:  # the core checks the rest
+            raise ProtocolError(
+                "text_too_long", f"input.text of {len(text)} characters exceeds {max_text_chars}"
+            )
     if event["type"] != CLIENT_SESSION_START:
         return ControlMessage(event)
     if started:
@@ -93,9 +118,11 @@ def parse_json(message: str) -> dict[str, Any]:
     if len(message) > MAX_JSON_BYTES:
         raise ProtocolError("too_large", f"JSON message of {len(message)} bytes exceeds {MAX_JSON_BYTES}")
     try:
-        event = json.loads(message)
+        event = json.loads(message, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         raise ProtocolError("bad_json", f"malformed JSON: {exc.msg} at position {exc.pos}") from None
+    except (RecursionError, ValueError) as exc:  # nesting too deep; NaN / Infinity, which JSON has not
+        raise ProtocolError("bad_json", f"malformed JSON: {exc}") from None
     if not isinstance(event, dict) or not isinstance(event.get("type"), str):
         raise ProtocolError("bad_event", 'a JSON message must be an object with a string "type"')
     if event["type"] not in CLIENT_EVENT_TYPES:
@@ -103,6 +130,34 @@ def parse_json(message: str) -> dict[str, Any]:
             "unknown_event", f"unknown event type {event['type']!r}; known: {list(CLIENT_EVENT_TYPES)}"
         )
     return event
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+#: every error code the native protocol sends (docs/protocol.md); the fuzz tests check against it
+ERROR_CODES = frozenset(
+    {
+        "bad_json",
+        "bad_event",
+        "unknown_event",
+        "too_large",
+        "already_started",
+        "unsupported_sample_rate",
+        "bad_option",
+        "bad_audio",
+        "text_too_long",
+        "stage_failed",
+        "internal_error",
+        "rate_limited",
+        "audio_too_fast",
+        "session_expired",
+        "idle_timeout",
+        "session_failed",
+        "server_shutdown",
+    }
+)
 
 
 def check_rate(rate: int) -> int:

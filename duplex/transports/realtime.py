@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
+from duplex.base.audio import SAMPLE_RATE as SR
 from duplex.base.config import ConfigError
 from duplex.core.events import (
     CLIENT_INPUT_CLEAR,
@@ -58,9 +59,9 @@ from duplex.core.events import (
     TranscriptPartial,
 )
 from duplex.core.session import SessionCore
-from duplex.runtime.runner import Output, SessionRunner
+from duplex.runtime.runner import ClientTooSlow, Output, SessionRunner
 from duplex.runtime.service import CapacityError, DuplexService
-from duplex.transports.common import open_session
+from duplex.transports.common import ClientGuard, open_session
 from duplex.transports.native import DuplexServer
 from duplex.transports.native_protocol import CLOSE_OVERLOAD, CLOSE_POLICY
 from duplex.transports.realtime_protocol import (
@@ -104,6 +105,7 @@ def mount_realtime(server: DuplexServer) -> None:
     if REALTIME_PATH in server.extra_routes:
         return
     service = server.service
+    server.keyed_routes.add(REALTIME_PATH)
 
     async def handler(ws: ServerConnection) -> None:
         await RealtimeSession(service, ws).run()
@@ -178,6 +180,7 @@ class RealtimeSession:
         self.session_id = ""
         self.conv = _Conversation()
         self._runner: SessionRunner | None = None
+        self._guard: ClientGuard | None = None
         self._audio_in = AudioIn(self.config.input_format.rate, self.config.input_format.encoding)
         self._audio_out: AudioOut | None = None  # None: the core's PCM16 goes out as it is
         # client-request bookkeeping (reader side)
@@ -215,9 +218,16 @@ class RealtimeSession:
     async def run(self) -> None:
         """Serve the connection until the client leaves; the session is freed on exit."""
         self.ws.protocol.max_message_size = MAX_MESSAGE_BYTES
+
+        async def terminate(code: int, reason: str) -> None:
+            await self.ws.close(code, reason)
+
         try:
-            async with open_session(self.service, self._send) as runner:
+            async with open_session(
+                self.service, self._send, transport="realtime", terminate=terminate
+            ) as runner:
                 self._runner = runner
+                self._guard = ClientGuard(runner, self.service.limits, self.service.metrics)
                 self.session_id = f"sess_{runner.core.session_id}"
                 self._set_output(self.config.output_format)
                 initial = self.config.to_wire(self.session_id)
@@ -233,7 +243,7 @@ class RealtimeSession:
         try:
             async for message in self.ws:
                 await self.handle(message)
-                if runner.failed is not None:
+                if isinstance(runner.failed, ClientTooSlow):
                     await self.ws.close(CLOSE_POLICY, "client too slow: output not read")
                     return
         except ConnectionClosed:
@@ -259,12 +269,24 @@ class RealtimeSession:
         try:
             ev = parse_event(message)
             event_id = client_event_id(ev)
-            handler = self._handlers[check_event(ev, len(message))]
+            kind = check_event(ev, len(message))
+            if kind != "input_audio_buffer.append" and self._guard is not None and not self._guard.control():
+                return  # dropped: the guard sent rate_limited (or ended a flood)
+            handler = self._handlers[kind]
             result = handler(ev)
             if inspect.isawaitable(result):
                 await result
         except RealtimeError as exc:
             err = error_event(exc.code, str(exc), param=exc.param, kind=exc.kind, client_event_id=event_id)
+            self._defer(lambda: [err])
+        except Exception:  # a bug must end no session: report it and go on
+            log.exception("realtime session %s: event not handled", self.session_id)
+            err = error_event(
+                "server_error",
+                "the server could not handle this event",
+                kind="server_error",
+                client_event_id=event_id,
+            )
             self._defer(lambda: [err])
 
     def _on_session_update(self, ev: dict[str, Any]) -> None:
@@ -281,7 +303,7 @@ class RealtimeSession:
         self.config = new
         self._defer(lambda: [event("session.updated", session=new.to_wire(self.session_id))])
 
-    def _on_append(self, ev: dict[str, Any]) -> None:
+    def _on_append(self, ev: dict[str, Any]) -> Awaitable[None] | None:
         payload = append_audio(ev)
         try:
             samples = self._audio_in.decode(payload)
@@ -289,6 +311,9 @@ class RealtimeSession:
             raise RealtimeError("invalid_value", str(exc), "audio") from None
         self._live().feed_audio(samples)
         self._last_append = asyncio.get_running_loop().time()
+        if self._guard is not None:
+            return self._guard.audio(len(samples) / SR)
+        return None
 
     async def _on_commit(self, ev: dict[str, Any]) -> None:
         loop, deadline = asyncio.get_running_loop(), self._last_append + COMMIT_WAIT_S
@@ -310,7 +335,7 @@ class RealtimeSession:
         self._defer(lambda: [event("input_audio_buffer.cleared")])
 
     def _on_item_create(self, ev: dict[str, Any]) -> None:
-        item_id, text = parse_user_text(ev.get("item"))
+        item_id, text = parse_user_text(ev.get("item"), self.service.limits.max_text_chars)
         if item_id is None:
             item_id = new_id("item")
         elif (

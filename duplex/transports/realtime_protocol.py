@@ -77,12 +77,16 @@ def parse_event(message: str | bytes) -> dict[str, Any]:
             "invalid_event", "binary frames are not part of the Realtime API: send JSON text events"
         )
     try:
-        ev = json.loads(message)
+        ev = json.loads(message, parse_constant=_no_constant)  # NaN / Infinity are not JSON
     except (ValueError, RecursionError) as exc:
         raise RealtimeError("invalid_json", f"malformed JSON: {exc}") from None
     if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
         raise RealtimeError("invalid_event", 'an event must be a JSON object with a string "type"', "type")
     return ev
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def client_event_id(ev: dict[str, Any]) -> str | None:
@@ -128,7 +132,7 @@ def append_audio(ev: dict[str, Any]) -> bytes:
         raise RealtimeError("invalid_value", "audio is not valid base64", "audio") from None
 
 
-def parse_user_text(item: Any) -> tuple[str | None, str]:
+def parse_user_text(item: Any, max_chars: int = MAX_TEXT_CHARS) -> tuple[str | None, str]:
     """(id or None, text) of a user message item made of input_text parts; anything else is refused."""
     if not isinstance(item, dict):
         raise RealtimeError(
@@ -168,10 +172,10 @@ def parse_user_text(item: Any) -> tuple[str | None, str]:
     text = " ".join(texts).strip()
     if not text:
         raise RealtimeError("invalid_value", "the message text is empty", "item.content")
-    if len(text) > MAX_TEXT_CHARS:
+    if len(text) > max_chars:
         raise RealtimeError(
             "string_above_max_length",
-            f"a message of {len(text)} characters exceeds {MAX_TEXT_CHARS}",
+            f"a message of {len(text)} characters exceeds {max_chars}",
             "item.content",
         )
     item_id = item.get("id")

@@ -59,9 +59,9 @@ from duplex.core.events import (
     ServerEvent,
     SessionStarted,
 )
-from duplex.runtime.runner import Output, SessionRunner
+from duplex.runtime.runner import ClientTooSlow, Output, SessionRunner
 from duplex.runtime.service import CapacityError, DuplexService
-from duplex.transports.common import open_session
+from duplex.transports.common import ClientGuard, open_session
 from duplex.transports.native import DuplexServer, http_response
 from duplex.transports.native_protocol import CLOSE_OVERLOAD, CLOSE_POLICY
 from duplex.transports.twilio_protocol import (
@@ -175,6 +175,7 @@ class TwilioCall:
     warnings: int = 0
     reason: str = "ended"
     runner: SessionRunner | None = field(default=None, repr=False)
+    guard: ClientGuard | None = field(default=None, repr=False)
     _audio_in: AudioIn = field(default_factory=lambda: AudioIn(WIRE_RATE, "ulaw"), repr=False)
     _out: OutgoingAudio | None = field(default=None, repr=False)
     _marks: MarkBook = field(default_factory=MarkBook, repr=False)
@@ -189,8 +190,15 @@ class TwilioCall:
     async def run(self, service: DuplexService) -> None:
         """Serve the call until `stop`, a hang-up or a fatal error; the session is freed on return."""
         try:
-            async with open_session(service, self.send_output) as runner:
+
+            async def terminate(code: int, reason: str) -> None:
+                await self.ws.close(code, reason)
+
+            async with open_session(
+                service, self.send_output, transport="twilio", terminate=terminate
+            ) as runner:
                 self.runner = runner
+                self.guard = ClientGuard(runner, service.limits, service.metrics)
                 self.session_id = runner.core.session_id
                 self._out = OutgoingAudio(runner.core.out_sr)
                 log.info("Twilio stream from %s: session %s", self.ws.remote_address, self.session_id)
@@ -219,9 +227,16 @@ class TwilioCall:
             except ConnectionClosed:
                 reason = "connection closed by Twilio" if self.started else "connection closed before start"
                 raise EndCall(reason) from None
+            fed = self.stats.media_in
             self.handle(message)
-            if runner.failed is not None:
+            if self.stats.media_in > fed and self.guard is not None:
+                await self.guard.audio(
+                    0.02 * (self.stats.media_in - fed)
+                )  # Twilio sends 20 ms per media message
+            if isinstance(runner.failed, ClientTooSlow):
                 raise EndCall(f"dropped: {runner.failed}", CLOSE_POLICY)
+            if runner.ending is not None:
+                raise EndCall(f"ended: {runner.ending}")
 
     def handle(self, message: str | bytes) -> None:
         """Dispatch one message; a bad one is logged and counted, a `stop` raises EndCall."""
@@ -443,6 +458,14 @@ def mount_twilio(server: DuplexServer, settings: TwilioSettings | None = None) -
     server.extra_routes[TWILIO_PATH] = handle
     if settings.auth_token:
         server.extra_checks[TWILIO_PATH] = lambda request: check_signature(settings, request)
+    elif server.auth.enabled:
+        # Twilio cannot send an API key: with keys set, the stream is open only to signed requests
+        server.extra_checks[TWILIO_PATH] = lambda request: http_response(
+            HTTPStatus.FORBIDDEN,
+            b"API keys are set but no Twilio auth token: /v1/twilio needs --twilio-auth-token\n",
+            "text/plain",
+        )
+        log.warning("%s refuses every stream: API keys are set but no Twilio auth token", TWILIO_PATH)
     else:
         server.extra_checks.pop(TWILIO_PATH, None)
         log.warning(

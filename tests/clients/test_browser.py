@@ -60,10 +60,10 @@ answer = scripted_answer
 
 
 @contextlib.contextmanager
-def serving(service: DuplexService) -> Iterator[DuplexServer]:
+def serving(service: DuplexService, api_keys: tuple[str, ...] = ()) -> Iterator[DuplexServer]:
     """The server on a free port, in its own thread and event loop (the test itself blocks on node)."""
     loop = asyncio.new_event_loop()
-    server = DuplexServer(service, ServerSettings(host="127.0.0.1", port=0))
+    server = DuplexServer(service, ServerSettings(host="127.0.0.1", port=0, api_keys=api_keys))
     ready = threading.Event()
 
     def run() -> None:
@@ -100,11 +100,18 @@ def mic_file(speech: np.ndarray, rate: int = MIC_RATE) -> np.ndarray:
     )
 
 
-def drive(server: DuplexServer, mic: np.ndarray, tmp_path: Path, timeout_s: float, answers: int = 1) -> dict:
+def drive(
+    server: DuplexServer,
+    mic: np.ndarray,
+    tmp_path: Path,
+    timeout_s: float,
+    answers: int = 1,
+    fragment: str = "",
+) -> dict:
     """Run the Playwright driver until `answers` answers ended and played out; returns what the page saw."""
     wav, out, shot = tmp_path / "mic.wav", tmp_path / "seen.json", tmp_path / "page.png"
     write_wav(wav, mic, MIC_RATE)
-    url = f"http://127.0.0.1:{server.port}/"
+    url = f"http://127.0.0.1:{server.port}/{fragment}"
     cmd = ["node", str(DRIVER), url, str(wav), str(out), str(shot), str(int(timeout_s * 1000)), str(answers)]
     proc = subprocess.run(cmd, cwd=BROWSER_DIR, capture_output=True, text=True, timeout=timeout_s + 60)
     if shot.exists() and os.environ.get("DUPLEX_BROWSER_SHOTS"):
@@ -141,6 +148,28 @@ def test_spoken_turn_with_tone_stages(tmp_path):
     # 6 words of 250 ms at 24 kHz: ~1.5 s of answer audio actually rendered by the player worklet
     assert seen["playedSeconds"] >= 1.2, seen["playedSeconds"]
     assert seen["statusText"] == "listening"
+
+
+def test_page_with_a_client_secret_when_the_server_has_keys(tmp_path):
+    """With API keys set, the page opens its session with a single-use client secret (subprotocol),
+    here minted by "the deployment's backend" (this test) and handed to the page as #secret=."""
+    import urllib.request
+
+    service = DuplexService(load_profile("cpu"), fake_stages(answer))
+    speech = resample(tone_speech("what is the capital of france"), SR, MIC_RATE)
+    with serving(service, api_keys=("sk-browser",)) as server:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{server.port}/v1/realtime/client_secrets",
+            method="POST",
+            headers={"Authorization": "Bearer sk-browser"},
+        )
+        with urllib.request.urlopen(req, timeout=5) as r:
+            secret = json.loads(r.read())["value"]
+        assert len(server.auth.secrets) == 1
+        seen = drive(server, mic_file(speech), tmp_path, timeout_s=30, fragment=f"#secret={secret}")
+        assert len(server.auth.secrets) == 0  # used: it cannot open another session
+    assert seen["errors"] == [] and seen["closes"] == []
+    assert seen["answerText"] == "paris is the capital of france"
 
 
 def test_barge_in_flushes_the_player(tmp_path):

@@ -1,0 +1,66 @@
+"""Logging set-up for `duplex serve`: text or JSON lines, each record tagged with its session and turn.
+
+The session a log line belongs to is a context variable set when a session opens
+(`bind_session`); asyncio tasks and the runner's callbacks inherit it, so a line logged anywhere
+on a session's behalf carries `session_id` and the core's current `turn_id`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import time
+from typing import Any
+
+_SESSION: contextvars.ContextVar[Any] = contextvars.ContextVar("duplex_session", default=None)
+
+
+def bind_session(core: Any) -> None:
+    """Tag what this task (and the tasks and callbacks it starts) logs with `core`'s ids."""
+    _SESSION.set(core)
+
+
+class SessionFilter(logging.Filter):
+    """Adds `session_id` and `turn_id` (None outside a session) to every record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        core = _SESSION.get()
+        if not hasattr(record, "session_id"):
+            record.session_id = getattr(core, "session_id", None)
+        if not hasattr(record, "turn_id"):
+            record.turn_id = getattr(core, "turn_id", None)
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, session_id, turn_id (and exc)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+            "session_id": getattr(record, "session_id", None),
+            "turn_id": getattr(record, "turn_id", None),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def setup_logging(level: int, fmt: str = "text") -> None:
+    """Configure the root logger: `fmt` is "text" (human) or "json" (one object per line)."""
+    handler = logging.StreamHandler()
+    handler.addFilter(SessionFilter())
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(session_id)s]: %(message)s")
+        )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
