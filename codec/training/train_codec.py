@@ -1,0 +1,509 @@
+"""Train the FSQ speech codec on hibari teacher data (resumable, CPU or GPU).
+
+    python -m codec.training.train_codec --run ~/.cache/duplex/runs/codec/run1 --minutes 90 --threads 1
+    python -m codec.training.train_codec --run DIR --minutes 30 --device cuda --init codec/weights/speech_codec.safetensors
+    python -m codec.training.train_codec --run DIR --export codec/weights      # EMA weights -> fp16 safetensors + json
+
+The encoder reads the log-mel of hibari's audio; the decoder regresses hibari's own vocoder inputs
+(voicing, log F0, and PCA coefficients of the harmonic and merged noise log-envelopes), so training is a
+regression that converges on a CPU. Every teacher example is a pure function of its index (sentence,
+speed and noise seed), and the pool of examples is a ring buffer indexed by it, so a checkpoint
+(model, optimiser, EMA, step, RNG, data position) resumes exactly. A checkpoint is written atomically
+every --ckpt-minutes and on SIGINT/SIGTERM; curves go to DIR/curves.png, logs to DIR/metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from codec.speech_codec import LOG_F0_MEAN, LOG_F0_STD, CodecConfig, Features, SpeechCodec
+from codec.training.hibari_teacher import merged_noise
+
+VOICED_HZ = 40.0
+CKPT = "checkpoint.pt"
+
+
+# -- teacher examples ---------------------------------------------------------------------------------
+@dataclass
+class TeacherSource:
+    """index -> raw teacher example: audio (24 kHz), f0 [F], lh / nz [F, 601]."""
+
+    sentences: list[str]
+    seed: int = 0
+    speed_jitter: float = 0.5  # share of examples spoken at a random speed in [0.85, 1.2]
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        from codec.training.hibari_teacher import HibariTeacher
+
+        self.teacher = HibariTeacher(threads=self.threads)
+        self.perm = np.random.default_rng(self.seed).permutation(len(self.sentences))
+
+    def __call__(self, index: int) -> dict:
+        rng = np.random.default_rng([self.seed, index])
+        text = self.sentences[self.perm[index % len(self.perm)]]
+        speed = float(rng.uniform(0.85, 1.2)) if rng.random() < self.speed_jitter else 1.0
+        chunks = self.teacher.phonemize(text) or ["ðə."]
+        o = self.teacher.run(chunks[0], speed=speed, audio_seed=int(rng.integers(1 << 31)))
+        return {"audio": o.audio, "f0": o.f0, "lh": o.lh.T, "nz": merged_noise(o.ln, o.lr).T}
+
+
+def fit_pca(examples: list[dict], k: int, max_frames: int = 40000, seed: int = 0) -> dict[str, np.ndarray]:
+    """Mean, top-k principal directions and coefficient std of both log-envelopes."""
+    out = {}
+    rng = np.random.default_rng(seed)
+    for name in ("lh", "nz"):
+        x = np.concatenate([e[name] for e in examples]).astype(np.float64)
+        if len(x) > max_frames:
+            x = x[rng.choice(len(x), max_frames, replace=False)]
+        mu = x.mean(0)
+        # eigen-decomposition of the 601 x 601 covariance in torch (respects torch's thread setting;
+        # numpy's BLAS spins on every core)
+        xc = torch.from_numpy(x - mu)
+        evals, evecs = torch.linalg.eigh(xc.T @ xc)
+        order = torch.argsort(evals, descending=True)
+        evals, basis = evals[order].clamp(min=0).numpy(), evecs[:, order].T[:k].numpy()
+        std = (xc @ torch.from_numpy(basis).T).std(0).numpy() + 1e-6
+        s = np.sqrt(evals)
+        out[f"{name}_mean"], out[f"{name}_basis"], out[f"{name}_std"] = mu, basis, std
+        out[f"{name}_explained"] = np.asarray((s[:k] ** 2).sum() / (s**2).sum())
+    return out
+
+
+class ExamplePool:
+    """Ring buffer of processed examples: slot = index % size, so the pool is a function of the data position."""
+
+    def __init__(self, model: SpeechCodec, source: Callable[[int], dict], size: int) -> None:
+        self.model, self.source, self.size = model, source, size
+        self.items: list[dict | None] = [None] * size
+
+    @torch.no_grad()
+    def process(self, raw: dict) -> dict:
+        m = self.model
+        audio = torch.from_numpy(np.asarray(raw["audio"], np.float32))[None]
+        mel = m.mel(audio)[0]
+        n = min(mel.shape[0], len(raw["f0"]))
+
+        def coefs(name: str) -> torch.Tensor:
+            x = torch.from_numpy(np.asarray(raw[name][:n], np.float32))
+            return ((x - getattr(m, f"{name}_mean")) @ getattr(m, f"{name}_basis").T) / getattr(
+                m, f"{name}_std"
+            )
+
+        return {
+            "mel": mel[:n].half(),
+            "f0": torch.from_numpy(np.asarray(raw["f0"][:n], np.float32)),
+            "lh": coefs("lh").half(),
+            "nz": coefs("nz").half(),
+        }
+
+    def put(self, index: int) -> None:
+        self.items[index % self.size] = self.process(self.source(index))
+
+    def fill(self, end: int, log: Callable[[str], None] = print) -> None:
+        """Fill with the examples [end - size, end) (the state of the pool at data position `end`)."""
+        t0 = time.time()
+        for n, i in enumerate(range(max(0, end - self.size), end)):
+            self.put(i)
+            if n and n % 500 == 0:
+                log(f"pool {n}/{self.size} ({time.time() - t0:.0f} s)")
+
+    def batch(self, rng: np.random.Generator, batch: int, crop: int, down: int) -> dict[str, torch.Tensor]:
+        filled = [it for it in self.items if it is not None]
+        idx = rng.integers(len(filled), size=batch)
+        n_mels = filled[0]["mel"].shape[1]
+        k = filled[0]["lh"].shape[1]
+        out = {
+            "mel": torch.full((batch, crop, n_mels), math.log(1e-5)),
+            "f0": torch.zeros(batch, crop),
+            "lh": torch.zeros(batch, crop, k),
+            "nz": torch.zeros(batch, crop, k),
+            "mask": torch.zeros(batch, crop),
+        }
+        for b, i in enumerate(idx):
+            it = filled[i]
+            n = it["f0"].shape[0]
+            start = int(rng.integers(0, (n - crop) // down + 1)) * down if n > crop else 0
+            m = min(crop, n - start)
+            for key in ("mel", "f0", "lh", "nz"):
+                out[key][b, :m] = it[key][start : start + m].float()
+            out["mask"][b, :m] = 1
+        return out
+
+
+# -- loss ---------------------------------------------------------------------------------------------
+def codec_loss(model: SpeechCodec, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    z = model.encode_latent(batch["mel"])
+    zq = model.fsq.quantize(z)
+    feats: Features = model.decode_features(zq)
+    mask = batch["mask"]
+    voiced = (batch["f0"] > VOICED_HZ).float()
+    denom = mask.sum().clamp(min=1)
+    l_v = (F.binary_cross_entropy_with_logits(feats.voicing, voiced, reduction="none") * mask).sum() / denom
+    vm = voiced * mask
+    log_f0 = (torch.log(batch["f0"].clamp(min=VOICED_HZ)) - LOG_F0_MEAN) / LOG_F0_STD
+    l_f0 = (((feats.log_f0 - log_f0) ** 2) * vm).sum() / vm.sum().clamp(min=1)
+    # L1 on coefficients weighted towards their share of the envelope's variance (sqrt: keep fine detail)
+    losses = {"voicing": l_v, "f0": l_f0}
+    for name in ("lh", "nz"):
+        std = getattr(model, f"{name}_std")
+        w = torch.sqrt(std / std.mean())
+        err = (getattr(feats, name) - batch[name]).abs() * w
+        losses[name] = (err.mean(-1) * mask).sum() / denom
+    total = losses["voicing"] + losses["f0"] + 2.0 * losses["lh"] + 2.0 * losses["nz"]
+    return total, {k: float(v.detach()) for k, v in losses.items()} | {"total": float(total.detach())}
+
+
+# -- checkpoints --------------------------------------------------------------------------------------
+def rng_state(rng: np.random.Generator) -> dict:
+    return {"numpy": rng.bit_generator.state, "torch": torch.get_rng_state()}
+
+
+def save_checkpoint(path: Path, **state) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+class Trainer:
+    """Model + EMA + optimiser + data pool + step counter; `step()` runs one optimisation step."""
+
+    def __init__(
+        self,
+        cfg: CodecConfig,
+        source: Callable[[int], dict],
+        *,
+        pool_size: int = 2000,
+        batch: int = 16,
+        crop: int = 192,
+        lr: float = 1e-3,
+        lr_halflife: float = 8000.0,
+        warmup: int = 300,
+        refresh: int = 2,
+        seed: int = 0,
+        ema_decay: float = 0.999,
+        pca_examples: int = 300,
+        device: str = "cpu",
+        log: Callable[[str], None] = print,
+    ) -> None:
+        torch.manual_seed(seed)
+        self.cfg, self.source, self.log = cfg, source, log
+        self.batch_size, self.crop, self.lr, self.lr_halflife, self.warmup = (
+            batch,
+            crop,
+            lr,
+            lr_halflife,
+            warmup,
+        )
+        self.refresh, self.ema_decay, self.pca_examples, self.device = (
+            refresh,
+            ema_decay,
+            pca_examples,
+            device,
+        )
+        self.model = SpeechCodec(cfg)
+        self.ema = copy.deepcopy(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.8, 0.99), weight_decay=1e-4)
+        self.rng = np.random.default_rng(seed)
+        self.pool = ExamplePool(self.model, source, pool_size)
+        self.step_n = 0
+        self.pos = 0  # next teacher example index
+        self.pca_ready = False
+
+    def setup_pca(self) -> dict:
+        ex = [self.source(i) for i in range(self.pca_examples)]
+        pca = fit_pca(ex, self.cfg.n_pca)
+        for m in (self.model, self.ema):
+            for key in ("lh_mean", "lh_basis", "lh_std", "nz_mean", "nz_basis", "nz_std"):
+                getattr(m, key).copy_(torch.from_numpy(pca[key]).float())
+        self.pca_ready = True
+        return {k: float(v) for k, v in pca.items() if k.endswith("explained")}
+
+    def start(self) -> None:
+        """Fill the pool for the current data position (fresh run or resume)."""
+        if not self.pca_ready:
+            info = self.setup_pca()
+            self.log(f"PCA explained variance: {info}")
+        if self.pos == 0:
+            self.pos = self.pool.size
+        self.pool.fill(self.pos, self.log)
+        self.model.to(self.device)
+        self.ema.to(self.device)
+
+    def lr_at(self, step: int) -> float:
+        return self.lr * min(1.0, (step + 1) / self.warmup) * 0.5 ** (step / self.lr_halflife)
+
+    def step(self) -> dict[str, float]:
+        for _ in range(self.refresh):
+            self.pool.put(self.pos)
+            self.pos += 1
+        b = self.pool.batch(self.rng, self.batch_size, self.crop, self.cfg.down)
+        b = {k: v.to(self.device) for k, v in b.items()}
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr_at(self.step_n)
+        self.model.train()
+        loss, parts = codec_loss(self.model, b)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        d = min(self.ema_decay, (1 + self.step_n) / (10 + self.step_n))
+        with torch.no_grad():
+            for pe, pm in zip(self.ema.parameters(), self.model.parameters(), strict=True):
+                pe.lerp_(pm, 1 - d)
+        self.step_n += 1
+        return parts | {"grad_norm": float(gn), "lr": self.lr_at(self.step_n - 1)}
+
+    def state_dict(self) -> dict:
+        return {
+            "config": self.cfg.to_dict(),
+            "model": self.model.state_dict(),
+            "ema": self.ema.state_dict(),
+            "opt": self.opt.state_dict(),
+            "step": self.step_n,
+            "pos": self.pos,
+            "rng": rng_state(self.rng),
+            "pca_ready": self.pca_ready,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.ema.load_state_dict(sd["ema"])
+        self.opt.load_state_dict(sd["opt"])
+        self.step_n, self.pos, self.pca_ready = sd["step"], sd["pos"], sd["pca_ready"]
+        self.rng.bit_generator.state = sd["rng"]["numpy"]
+        torch.set_rng_state(sd["rng"]["torch"])
+
+
+# -- evaluation gate ----------------------------------------------------------------------------------
+@torch.no_grad()
+def gate(model: SpeechCodec, teacher, scorer, sentences: list[str]) -> dict:
+    """hibari audio -> codec round trip -> Moonshine, on a few held-out sentences; plus code usage."""
+    from codec.training.eval_codec import corpus_wer
+
+    model.eval()
+    ref_h, hyp_h, hyp_c, codes = [], [], [], []
+    for i, s in enumerate(sentences):
+        audio = np.concatenate([o.audio for o in teacher.text(s, audio_seed=1000 + i)])
+        x = torch.from_numpy(audio)[None]
+        c = model.encode(x)
+        y = model.decode(c)[0, 900:].numpy()  # drop the 900-sample overlap-add delay
+        codes.append(c[0])
+        ref_h.append(s)
+        hyp_h.append(scorer.transcribe(audio))
+        hyp_c.append(scorer.transcribe(y))
+    c = torch.cat(codes)
+    used = [int(torch.unique(c[:, g]).numel()) for g in range(c.shape[1])]
+    return {
+        "wer_hibari": corpus_wer(ref_h, hyp_h),
+        "wer_codec": corpus_wer(ref_h, hyp_c),
+        "codes_used": used,
+        "n": len(sentences),
+        "examples": list(zip(ref_h[:2], hyp_c[:2], strict=True)),
+    }
+
+
+def plot_curves(run: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    tr = [r for r in rows if r.get("kind") == "train"]
+    ev = [r for r in rows if r.get("kind") == "gate"]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for key in ("total", "lh", "nz", "f0", "voicing"):
+        ax[0].plot([r["step"] for r in tr], [r[key] for r in tr], label=key)
+    ax[0].set_yscale("log")
+    ax[0].set_xlabel("step")
+    ax[0].set_title("training loss")
+    ax[0].legend()
+    if ev:
+        ax[1].plot(
+            [r["step"] for r in ev], [100 * r["wer_codec"] for r in ev], "o-", label="codec round trip"
+        )
+        ax[1].plot([r["step"] for r in ev], [100 * r["wer_hibari"] for r in ev], "s--", label="hibari")
+    ax[1].set_xlabel("step")
+    ax[1].set_ylabel("WER %")
+    ax[1].set_title("gate (Moonshine)")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(run / "curves.png", dpi=90)
+    plt.close(fig)
+
+
+# -- export -------------------------------------------------------------------------------------------
+def export(run: Path, out_dir: Path, extra: dict | None = None) -> Path:
+    """EMA weights of the run's checkpoint -> out_dir/speech_codec.safetensors (fp16) + speech_codec.json."""
+    from safetensors.torch import save_file
+
+    sd = torch.load(run / CKPT, map_location="cpu", weights_only=False)
+    cfg = CodecConfig.from_dict(sd["config"])
+    tensors = {
+        k: v.half().contiguous() if v.is_floating_point() else v.contiguous() for k, v in sd["ema"].items()
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "speech_codec.safetensors"
+    save_file(tensors, str(path), metadata={"config": json.dumps(cfg.to_dict()), "step": str(sd["step"])})
+    meta = {
+        "config": cfg.to_dict(),
+        "step": sd["step"],
+        "examples_seen": sd["pos"],
+        "bitrate_bps": cfg.bitrate,
+        "frame_rate_hz": cfg.frame_rate,
+        "dtype": "float16",
+        "teacher": "hibari-tts==0.2.1 (af_heart), features via codec/training/hibari_teacher.py",
+        "train_command": sd.get("command", ""),
+        "bytes": path.stat().st_size,
+    } | (extra or {})
+    (out_dir / "speech_codec.json").write_text(json.dumps(meta, indent=1))
+    return path
+
+
+# -- main ---------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", type=Path, required=True)
+    ap.add_argument("--minutes", type=float, default=60.0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--crop", type=int, default=192, help="80 Hz frames per training crop (multiple of 3)")
+    ap.add_argument("--pool", type=int, default=2000)
+    ap.add_argument("--refresh", type=int, default=2, help="new teacher examples per step")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr-halflife", type=float, default=8000.0)
+    ap.add_argument("--ckpt-minutes", type=float, default=8.0)
+    ap.add_argument("--gate-minutes", type=float, default=15.0)
+    ap.add_argument("--gate-n", type=int, default=12)
+    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", type=Path, default=None, help="start from shipped weights (safetensors)")
+    ap.add_argument(
+        "--export", type=Path, default=None, help="export the run's EMA weights to this folder and exit"
+    )
+    args = ap.parse_args(argv)
+
+    run: Path = args.run.expanduser()
+    if args.export:
+        print(export(run, args.export))
+        return
+    torch.set_num_threads(args.threads)
+    run.mkdir(parents=True, exist_ok=True)
+    logf = open(run / "train.log", "a")
+
+    def log(msg: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {msg}"
+        print(line, flush=True)
+        logf.write(line + "\n")
+        logf.flush()
+
+    from codec.training.hibari_teacher import heldout_sentences, training_sentences
+
+    cfg = CodecConfig()
+    source = TeacherSource(training_sentences(), seed=args.seed, threads=1)
+    trainer = Trainer(
+        cfg,
+        source,
+        pool_size=args.pool,
+        batch=args.batch,
+        crop=args.crop,
+        lr=args.lr,
+        lr_halflife=args.lr_halflife,
+        refresh=args.refresh,
+        seed=args.seed,
+        device=args.device,
+        log=log,
+    )
+    ck = run / CKPT
+    if ck.is_file():
+        trainer.load_state_dict(torch.load(ck, map_location="cpu", weights_only=False))
+        log(f"resumed from {ck} at step {trainer.step_n}, data position {trainer.pos}")
+    elif args.init:
+        from safetensors.torch import load_file
+
+        sd = {k: v.float() for k, v in load_file(str(args.init)).items()}
+        trainer.model.load_state_dict(sd)
+        trainer.ema.load_state_dict(sd)
+        trainer.pca_ready = True
+        log(f"initialised from {args.init}")
+    command = " ".join([sys.executable.split("/")[-1], "-m", "codec.training.train_codec", *sys.argv[1:]])
+    t0 = time.time()
+    trainer.start()
+    log(f"pool ready ({args.pool} examples) in {time.time() - t0:.0f} s; step {trainer.step_n}")
+
+    from codec.training.eval_codec import MoonshineScorer
+
+    scorer = MoonshineScorer()
+    gate_sents = heldout_sentences()[-args.gate_n :]  # the last ones: eval_codec scores the first ones
+
+    stop = {"flag": False}
+
+    def on_signal(*_: object) -> None:
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    metrics = open(run / "metrics.jsonl", "a")
+
+    def checkpoint() -> None:
+        save_checkpoint(ck, **trainer.state_dict(), command=command)
+        plot_curves(run)
+        log(f"checkpoint at step {trainer.step_n}")
+
+    start, last_ck, last_gate = time.time(), time.time(), time.time()
+    acc: dict[str, float] = {}
+    n_acc = 0
+    while not stop["flag"] and time.time() - start < args.minutes * 60:
+        parts = trainer.step()
+        for k, v in parts.items():
+            acc[k] = acc.get(k, 0.0) + v
+        n_acc += 1
+        if trainer.step_n % args.log_every == 0:
+            row = {"kind": "train", "step": trainer.step_n, "pos": trainer.pos, "time": time.time()} | {
+                k: v / n_acc for k, v in acc.items()
+            }
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            el = time.time() - start
+            log(
+                f"step {trainer.step_n} loss {row['total']:.4f} (lh {row['lh']:.3f} nz {row['nz']:.3f} "
+                f"f0 {row['f0']:.3f} v {row['voicing']:.3f}) lr {row['lr']:.2e} pos {trainer.pos} {el / 60:.1f} min"
+            )
+            acc, n_acc = {}, 0
+        if time.time() - last_gate > args.gate_minutes * 60:
+            g = gate(trainer.ema, source.teacher, scorer, gate_sents)
+            metrics.write(
+                json.dumps({"kind": "gate", "step": trainer.step_n, "time": time.time()} | g) + "\n"
+            )
+            metrics.flush()
+            log(
+                f"gate step {trainer.step_n}: WER hibari {100 * g['wer_hibari']:.1f} % codec "
+                f"{100 * g['wer_codec']:.1f} % (n={g['n']}), codes used {g['codes_used']}"
+            )
+            last_gate = time.time()
+        if time.time() - last_ck > args.ckpt_minutes * 60:
+            checkpoint()
+            last_ck = time.time()
+    checkpoint()
+    log(f"stopped at step {trainer.step_n} ({'signal' if stop['flag'] else 'time limit'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""FSQ, streaming == offline decode, batching, determinism and exact resume, on tiny seeded models."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from codec.dsp_vocoder import HarmonicNoiseVocoder
+from codec.fsq import FSQ, round_ste
+from codec.speech_codec import CodecConfig, DecoderState, SpeechCodec
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small tensors: one thread is fastest and leaves the other core to whatever else runs."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+TINY = CodecConfig(
+    n_mels=16,
+    enc_fast_dim=16,
+    enc_fast_blocks=1,
+    enc_dim=24,
+    enc_blocks=1,
+    enc_lookahead=2,
+    groups=2,
+    dec_dim=24,
+    dec_blocks=2,
+    dec_fast_dim=16,
+    dec_fast_blocks=2,
+    kernel=5,
+    n_pca=8,
+)
+
+
+def tiny_codec(seed: int = 0) -> SpeechCodec:
+    torch.manual_seed(seed)
+    m = SpeechCodec(TINY).eval()
+    g = torch.Generator().manual_seed(seed)
+    for name in ("lh", "nz"):
+        q, _ = torch.linalg.qr(torch.randn(601, TINY.n_pca, generator=g))
+        getattr(m, f"{name}_basis").copy_(q.T)
+        getattr(m, f"{name}_mean").fill_(-3.0 if name == "lh" else -6.0)
+    with torch.no_grad():  # make the voicing/F0 head produce voiced frames around 200 Hz
+        m.head.bias[0] = 2.0
+        m.head.bias[1] = 0.0
+    return m
+
+
+def random_codes(m: SpeechCodec, b: int, n: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, m.fsq.codebook_size, (b, n, m.cfg.groups), generator=g)
+
+
+# -- FSQ ------------------------------------------------------------------------------------------------
+def test_round_ste_passes_gradient_straight_through():
+    x = torch.linspace(-3, 3, 13, requires_grad=True)
+    round_ste(x).sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    assert torch.equal(round_ste(x.detach()), torch.round(x.detach()))
+
+
+def test_fsq_codes_in_range_and_invertible():
+    q = FSQ((8, 5, 5, 5), groups=3)
+    z = torch.randn(500, 12) * 3
+    zq, codes = q(z)
+    assert codes.dtype == torch.int64 and codes.shape == (500, 3)
+    assert int(codes.min()) >= 0 and int(codes.max()) < 1000
+    assert torch.allclose(q.from_codes(codes), zq)
+    assert zq.abs().max() <= 1.0
+    every = torch.arange(1000).reshape(-1, 1).repeat(1, 3)
+    assert torch.equal(q.codes(q.from_codes(every)), every)
+    assert math.isclose(q.bits_per_frame, 3 * math.log2(1000))
+
+
+def test_fsq_has_gradient_and_reaches_every_level():
+    q = FSQ((8, 5, 5, 5))
+    z = torch.linspace(-6, 6, 400).reshape(100, 4).requires_grad_(True)
+    q.quantize(z).sum().backward()
+    assert (z.grad.abs() > 0).all()
+    d = q.digits(q(z.detach())[1])[:, 0]
+    for i, L in enumerate(q.levels):
+        assert set(d[:, i].tolist()) == set(range(L))
+
+
+# -- streaming decode -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 40])
+def test_streaming_decode_equals_offline(chunk):
+    m = tiny_codec()
+    codes = random_codes(m, 2, 40)
+    offline = m.decode(codes)
+    state, parts = m.init_state(2), []
+    for i in range(0, codes.shape[1], chunk):
+        a, state = m.decode_step(state, codes[:, i : i + chunk])
+        assert a.shape == (2, codes[:, i : i + chunk].shape[1] * m.cfg.samples_per_code)
+        parts.append(a)
+    streamed = torch.cat([*parts, m.flush(state)], 1)
+    assert streamed.shape == offline.shape == (2, 41 * 900)
+    assert offline.abs().max() > 1e-3  # not trivially silent
+    torch.testing.assert_close(streamed, offline, atol=2e-5, rtol=1e-4)
+
+
+def test_uneven_chunking_equals_offline():
+    m = tiny_codec(3)
+    codes = random_codes(m, 1, 30, seed=5)
+    offline = m.decode(codes)
+    state, parts, i = m.init_state(1), [], 0
+    for c in (1, 4, 2, 9, 3, 11):
+        a, state = m.decode_step(state, codes[:, i : i + c])
+        parts.append(a)
+        i += c
+    torch.testing.assert_close(torch.cat([*parts, m.flush(state)], 1), offline, atol=2e-5, rtol=1e-4)
+
+
+def test_batched_step_equals_one_by_one():
+    m = tiny_codec()
+    codes = [random_codes(m, 1, 12, seed=s) for s in (1, 2, 3)]
+    # sessions at different points of their streams
+    states = []
+    for s, c in enumerate(codes):
+        st = m.init_state(1)
+        _, st = m.decode_step(st, c[:, : 2 + 3 * s])
+        states.append(st)
+    nxt = [c[:, 8:12] for c in codes]
+    singles = [m.decode_step(st, x) for st, x in zip(states, nxt, strict=True)]
+    audio, new_states = m.decode_step_batch(states, nxt)
+    for (a1, s1), a2, s2 in zip(singles, audio, new_states, strict=True):
+        torch.testing.assert_close(a2, a1, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(m.flush(s2), m.flush(s1), atol=1e-5, rtol=1e-4)
+    stacked = DecoderState.stack(new_states)
+    assert stacked.vocoder.phase.shape == (3,)
+
+
+def test_decode_is_deterministic():
+    codes = random_codes(tiny_codec(), 1, 20)
+    a = tiny_codec(0).decode(codes)
+    b = tiny_codec(0).decode(codes)
+    assert torch.equal(a, b)
+
+
+def test_encode_shapes_and_round_trip_runs():
+    m = tiny_codec()
+    audio = torch.randn(2, 24000) * 0.1
+    codes = m.encode(audio)
+    assert codes.shape == (2, 24000 // 900, m.cfg.groups)
+    assert m.decode(codes).shape == (2, (codes.shape[1] + 1) * 900)
+    assert math.isclose(CodecConfig().bitrate, 80 / 3 * 3 * math.log2(1000))
+    assert CodecConfig().bitrate < 1000
+
+
+def test_vocoder_streaming_equals_offline():
+    v = HarmonicNoiseVocoder()
+    g = torch.Generator().manual_seed(0)
+    n = 25
+    f0 = torch.where(
+        torch.rand(1, n, generator=g) > 0.3, 150 + 50 * torch.rand(1, n, generator=g), torch.zeros(1, n)
+    )
+    lh = -3 + torch.randn(1, n, 601, generator=g)
+    nz = -7 + torch.randn(1, n, 601, generator=g)
+    off = v(f0, lh, nz)
+    st, parts = v.init_state(1), []
+    for i in range(0, n, 4):
+        a, st = v.step(st, f0[:, i : i + 4], lh[:, i : i + 4], nz[:, i : i + 4])
+        parts.append(a)
+    torch.testing.assert_close(torch.cat([*parts, v.flush(st)], 1), off, atol=2e-5, rtol=1e-4)
+
+
+def test_vocoder_pulse_train_has_the_right_pitch():
+    v = HarmonicNoiseVocoder()
+    n = 80
+    f0 = torch.full((1, n), 200.0)
+    lh = torch.zeros(1, n, 601)
+    nz = torch.full((1, n, 601), -20.0)
+    y = v(f0, lh, nz)[0, 3000:15000].numpy()
+    spec = np.abs(np.fft.rfft(y * np.hanning(len(y))))
+    hz = np.fft.rfftfreq(len(y), 1 / 24000)
+    at = lambda f: spec[np.abs(hz - f) < 3].max()  # noqa: E731
+    harmonics = [at(200 * h) for h in (1, 2, 3, 5)]
+    between = [at(200 * h + 100) for h in (1, 2, 3, 5)]
+    assert min(harmonics) > 20 * max(between)
+
+
+# -- training: exact resume -----------------------------------------------------------------------------
+def fake_source(index: int) -> dict:
+    r = np.random.default_rng(index)
+    frames = int(r.integers(40, 90))
+    t = np.arange(frames * 300) / 24000
+    f0 = np.where(r.random(frames) > 0.3, 180 + 40 * r.random(frames), 0.0).astype(np.float32)
+    audio = (0.1 * np.sin(2 * np.pi * 200 * t) + 0.01 * r.standard_normal(len(t))).astype(np.float32)
+    return {
+        "audio": audio,
+        "f0": f0,
+        "lh": (-4 + r.standard_normal((frames, 601))).astype(np.float32),
+        "nz": (-8 + r.standard_normal((frames, 601))).astype(np.float32),
+    }
+
+
+def make_trainer():
+    from codec.training.train_codec import Trainer
+
+    return Trainer(
+        TINY,
+        fake_source,
+        pool_size=6,
+        batch=3,
+        crop=30,
+        refresh=1,
+        pca_examples=4,
+        seed=7,
+        log=lambda _: None,
+    )
+
+
+def test_checkpoint_resume_gives_identical_next_step(tmp_path):
+    from codec.training.train_codec import save_checkpoint
+
+    a = make_trainer()
+    a.start()
+    for _ in range(3):
+        a.step()
+    save_checkpoint(tmp_path / "ck.pt", **a.state_dict())
+    expected = [a.step()["total"] for _ in range(2)]
+
+    b = make_trainer()
+    b.load_state_dict(torch.load(tmp_path / "ck.pt", weights_only=False))
+    b.start()
+    got = [b.step()["total"] for _ in range(2)]
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    assert b.step_n == a.step_n and b.pos == a.pos
+
+
+def test_export_round_trip(tmp_path):
+    from codec.speech_codec import load_codec
+    from codec.training.train_codec import CKPT, export, save_checkpoint
+
+    t = make_trainer()
+    t.start()
+    t.step()
+    save_checkpoint(tmp_path / CKPT, **t.state_dict())
+    path = export(tmp_path, tmp_path / "w")
+    m = load_codec(str(path))
+    assert m.cfg == TINY
+    codes = random_codes(m, 1, 6)
+    ref = t.ema.eval().decode(codes)
+    torch.testing.assert_close(m.decode(codes), ref, atol=5e-3, rtol=5e-2)
