@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 _LOSS = re.compile(r"^step (\d+) ctc ([\d.]+)(?: align ([\d.]+))?(?: phone ([\d.]+))?")
-_WER = re.compile(r"^step (\d+) held-out WER (\{.*\})")
+_WER = re.compile(r"^step (\d+) (?:held-out|panel) WER (\{.*\})")  # panel: recipe 2, 480 ms, by set
 
 
 def parse(paths: list[Path]) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, float]]]:
@@ -32,7 +32,9 @@ def parse(paths: list[Path]) -> tuple[dict[int, dict[str, float]], dict[int, dic
                     if v is not None
                 }
             elif m := _WER.match(line):
-                wers[int(m[1])] = {str(k): float(v) for k, v in ast.literal_eval(m[2]).items()}
+                wers.setdefault(int(m[1]), {}).update(
+                    {str(k): float(v) for k, v in ast.literal_eval(m[2]).items()}
+                )
     return losses, wers
 
 
@@ -51,9 +53,10 @@ def plot(losses: dict, wers: dict, out: Path) -> None:
     ax1.set_ylabel("loss")
     ax1.legend()
     ax1.grid(alpha=0.3)
-    for ctx in sorted({k for w in wers.values() for k in w}, key=int):
+    for ctx in sorted({k for w in wers.values() for k in w}, key=lambda k: (not k.isdigit(), k)):
         pts = [(s, 100 * wers[s][ctx]) for s in sorted(wers) if ctx in wers[s]]
-        ax2.plot(*zip(*pts, strict=True), marker="o", label=f"held-out WER, lookahead {int(ctx) * 80} ms")
+        label = f"held-out WER, lookahead {int(ctx) * 80} ms" if ctx.isdigit() else f"panel {ctx} (480 ms)"
+        ax2.plot(*zip(*pts, strict=True), marker="o", label=label)
     ax2.set_ylabel("WER %")
     ax2.set_xlabel("training step (batch 32)")
     ax2.legend()

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from asr.training.data import Speaker, corpus, make_example, normalize_text
+from asr.training.targets import PHONE_CLASSES, alignment_targets, phone_targets
 from asr.training.wer import word_errors
 
 WEIGHTS_DIR = Path(__file__).resolve().parents[1] / "weights"
@@ -52,95 +53,6 @@ EASY_STEPS = (0, 300)
 # ALIGN_FLOOR at ALIGN_STEPS[1], leaving CTC to choose its own timing.
 ALIGN_WEIGHT, ALIGN_FLOOR = 1.0, 0.1
 ALIGN_STEPS = (1500, 3000)
-FRAME_S = 0.08  # encoder frame (8x subsampling of 10 ms features)
-# Phone loss: espeak also reports its phonemes, so every encoder frame gets a dense label (the phoneme
-# sounding at the frame's centre, silence outside them) and a linear head on the encoder output learns
-# them with cross-entropy, weighted like the alignment loss. Phonemes are what the acoustics show
-# directly; measured here, the sparse piece targets alone left the model at the pieces' unigram
-# distribution for 800 steps. The head is training-only: it is not part of the exported model.
-# Classes: espeak's English mnemonics (all accents, stress marks dropped), 0 = pause, last = any other.
-PHONES = (
-    "t",
-    "n",
-    "d",
-    "I",
-    "s",
-    "k",
-    "a",
-    "@",
-    "l",
-    "m",
-    "aI",
-    "E",
-    "w",
-    "p",
-    "r",
-    "0",
-    "D",
-    "V",
-    "v",
-    "z",
-    "u:",
-    "eI",
-    "j",
-    "a#",
-    "I2",
-    "b",
-    "oU",
-    "i:",
-    "h",
-    "f",
-    "3",
-    ";",
-    "S",
-    "U",
-    "i",
-    "N",
-    "g",
-    "@2",
-    "dZ",
-    "3:",
-    "@L",
-    "aU",
-    "r-",
-    "A@",
-    "i@",
-    "O@",
-    "T",
-    "tS",
-    "e@",
-    "O:",
-    "o@",
-    "t#",
-    "i@3",
-    "I#",
-    "aI2",
-    "aa",
-    "w#",
-    "O2",
-    "U@",
-    "aI@",
-    "A:",
-    "@5",
-    "t[",
-    "t2",
-    "@-",
-    "VR",
-    "IR",
-    "Z",
-    "OI",
-    "x",
-    "e",
-    "o",
-    "A",
-    "O",
-    "u",
-    "y",
-    "Q",
-    "?",
-)
-_PHONE_INDEX = {name: i + 1 for i, name in enumerate(PHONES)}
-PHONE_CLASSES = len(PHONES) + 2
 
 
 def align_weight(step: int) -> float:
@@ -148,66 +60,6 @@ def align_weight(step: int) -> float:
         return ALIGN_WEIGHT
     done = min(1.0, (step - ALIGN_STEPS[0]) / (ALIGN_STEPS[1] - ALIGN_STEPS[0]))
     return ALIGN_WEIGHT + done * (ALIGN_FLOOR - ALIGN_WEIGHT)
-
-
-def alignment_targets(
-    pieces: list[list[str]], word_times: list, n_frames: list[int], blank: int, ids: list[list[int]]
-) -> torch.Tensor:
-    """Frame targets (batch, max frames) for the alignment loss: example b's pieces `ids[b]` (SentencePiece
-    `pieces[b]`, a word starts at a '▁' piece) placed over its words' (start, end) seconds, each piece at the
-    frame where its share of the word's letters ends, later pieces pushed one frame on where they collide;
-    `blank` elsewhere; -100 (ignored) for a whole example without word times or whose pieces do not fit."""
-    out = torch.full((len(ids), max(n_frames)), -100, dtype=torch.long)
-    for b, (toks, times) in enumerate(zip(pieces, word_times, strict=True)):
-        if times is None:
-            continue
-        words: list[list[tuple[int, int]]] = []
-        for tid, piece in zip(ids[b], toks, strict=True):
-            if piece.startswith("▁") or not words:
-                words.append([])
-            words[-1].append((tid, max(len(piece.lstrip("▁")), 1)))
-        if len(words) != len(times):
-            continue
-        row = torch.full((n_frames[b],), blank, dtype=torch.long)
-        prev, ok = -1, True
-        for word, (start, end) in zip(words, times, strict=True):
-            total, seen = sum(n for _, n in word), 0
-            for tid, n in word:
-                seen += n
-                frame = max(int((start + (end - start) * seen / total) / FRAME_S), prev + 1)
-                if frame >= n_frames[b]:
-                    ok = False
-                    break
-                row[frame], prev = tid, frame
-        if ok:
-            out[b, : n_frames[b]] = row
-    return out
-
-
-def phone_class(name: str) -> int:
-    """Class of an espeak phoneme mnemonic: 0 for pauses, its `PHONES` index + 1, or the last for others."""
-    name = name.replace("'", "").replace(",", "").strip()
-    if not name or name.startswith("_"):
-        return 0
-    return _PHONE_INDEX.get(name, PHONE_CLASSES - 1)
-
-
-def phone_targets(phones: list, n_frames: list[int]) -> torch.Tensor:
-    """Dense frame labels (batch, max frames): the class of the phoneme sounding at each encoder frame's
-    centre (frame j covers ~(80j - 70, 80j + 10] ms of audio), 0 between phonemes, -100 past an example's
-    frames and for examples without phonemes (hibari)."""
-    out = torch.full((len(phones), max(n_frames)), -100, dtype=torch.long)
-    for b, spans in enumerate(phones):
-        if not spans:
-            continue
-        starts = np.array([a for _, a, _ in spans])
-        ends = np.array([e for _, _, e in spans])
-        classes = np.array([phone_class(p) for p, _, _ in spans])
-        centres = np.arange(n_frames[b]) * FRAME_S - 0.03
-        k = np.searchsorted(starts, centres, side="right") - 1
-        inside = (k >= 0) & (centres < ends[np.clip(k, 0, None)])
-        out[b, : n_frames[b]] = torch.from_numpy(np.where(inside, classes[np.clip(k, 0, None)], 0))
-    return out
 
 
 def curriculum(step: int) -> tuple[int, float, bool]:
@@ -370,6 +222,8 @@ def init_run(nemo: Path, run: Path) -> dict:
         audio_s=float(info.get("audio_s", 0.0)),
         history=[last] if last else [],
         restart_step=step,
+        recipe=2,
+        recipe_start=step,
         init_from=str(nemo),
     )
     (run / "run.json").write_text(json.dumps(meta, indent=1))
@@ -383,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", default="runs/asr", help="run directory (tokenizer, checkpoints, log)")
     ap.add_argument("--minutes", type=float, default=60.0, help="stop after this much wall time (resumable)")
     ap.add_argument("--steps", type=int, default=0, help="stop at this step (0 = no limit)")
-    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="32 for a new run; given for a run that has one, it changes it",
+    )
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=400)
     ap.add_argument("--d-model", type=int, default=176)
@@ -411,7 +270,35 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="start a new run from a shipped .nemo and its .json (e.g. asr/weights/fc_small.nemo)",
     )
+    ap.add_argument(
+        "--recipe", type=int, default=2, choices=(1, 2), help="for a new run: 2 (pool, ramps) or 1"
+    )
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument("--workers", type=int, default=1, help="recipe 2: data workers (each its own pool shard)")
+    ap.add_argument("--pool", type=int, default=1024, help="recipe 2: clean examples per pool (all workers)")
+    ap.add_argument("--pool-epochs", type=int, default=4, help="recipe 2: epochs over each pool")
+    ap.add_argument(
+        "--bf16", choices=("auto", "on", "off"), default="auto", help="bf16 autocast on the encoder"
+    )
+    ap.add_argument("--dropout", type=float, default=0.02, help="recipe 2: dropout (the data barely repeats)")
+    ap.add_argument("--peak-lr", type=float, default=1e-3, help="recipe 2: AdamW's peak rate after re-warm")
+    ap.add_argument("--hold", type=int, default=2000, help="recipe 2: steps at the peak rate after re-warm")
+    ap.add_argument("--total", type=int, default=12000, help="recipe 2: steps to the end of the cosine decay")
+    ap.add_argument("--rewarm", type=int, default=200, help="recipe 2: re-warm steps")
+    ap.add_argument(
+        "--panel-n", type=int, default=60, help="recipe 2: utterances per panel set at each check"
+    )
+    ap.add_argument("--keep", type=int, default=5, help="recipe 2: checkpoints kept for averaging")
+    ap.add_argument("--average", type=int, default=0, help="with --export: average the last N checkpoints")
+    ap.add_argument("--fp16", action="store_true", help="with --export: store the weights in fp16")
+    ap.add_argument("--kill-after", type=int, default=6000, help="recipe 2: steps before the kill criterion")
+    ap.add_argument(
+        "--profile-steps", type=int, default=0, help="time N steps (data wait vs compute), then stop"
+    )
+    ap.add_argument("--dry-run", action="store_true", help="a tiny model, 3 steps, export: checks the path")
     args = ap.parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
 
     torch.set_num_threads(args.threads)
     from asr.training.streaming_model import ATT_CONTEXT_SIZES, build_model, model_config, train_tokenizer
@@ -436,14 +323,20 @@ def main(argv: list[str] | None = None) -> int:
             "layers": args.layers,
             "vocab": args.vocab,
             "seed": args.seed,
-            "batch_size": args.batch_size,
+            "batch_size": args.batch_size or 32,
             "history": [],
+            "recipe": args.recipe,
+            "recipe_start": 0,
         }
     )
+    if args.batch_size:
+        meta["batch_size"] = args.batch_size
     torch.manual_seed(meta["seed"])
     cfg = model_config(tok_dir.resolve(), d_model=meta["d_model"], n_layers=meta["layers"])
     model = build_model(cfg)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=1e-3)
     phone_head = torch.nn.Linear(meta["d_model"], PHONE_CLASSES).to(device)
@@ -476,6 +369,13 @@ def main(argv: list[str] | None = None) -> int:
         meta_path.write_text(json.dumps(meta, indent=1))
 
     if args.export:
+        if args.average:
+            averaged = average_checkpoints(run, args.average)
+            if averaged is not None:
+                model.load_state_dict(averaged[0])
+                meta["averaged_steps"] = averaged[1]
+        if args.fp16:
+            model.half()
         model.eval()
         out = Path(args.export)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -492,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) at step {step}")
         return 0
 
+    if meta.get("recipe", 1) == 2:
+        ckpt_extra = (
+            torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.exists() else {}
+        )
+        return train_pool(args, model, phone_head, opt, phone_opt, meta, run, device, step, ckpt_extra)
     val = validation_set(args.val)
     batch_size = meta["batch_size"]
     loader = torch.utils.data.DataLoader(
@@ -598,6 +503,320 @@ def main(argv: list[str] | None = None) -> int:
     save()
     print(f"stopped at step {step}; resume with the same command", flush=True)
     return 0
+
+
+# ---- recipe 2: pooled data, smooth ramps, re-warm/hold/decay, panel validation, averaging --------------
+
+
+def bf16_wanted(choice: str, device: torch.device) -> bool:
+    """`auto`: bf16 autocast on CUDA where supported; not on the CPU, where it measured slower for this
+    model (docs/asr.md: 3.85 vs 3.43 CPU-s per step on this AVX-512/AMX CPU at d_model 176)."""
+    if choice != "auto":
+        return choice == "on"
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def checkpoint_paths(run: Path) -> list[Path]:
+    return sorted(run.glob("ckpt-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+
+
+def average_checkpoints(run: Path, n: int) -> tuple[dict, list[int]] | None:
+    """Element-wise mean of the model weights in the run's last `n` checkpoints (and their steps)."""
+    paths = checkpoint_paths(run)[-n:]
+    if not paths:
+        return None
+    total: dict[str, torch.Tensor] = {}
+    for path in paths:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        for k, v in state.items():
+            if v.is_floating_point():
+                total[k] = total.get(k, torch.zeros_like(v, dtype=torch.float64)) + v.double()
+            else:
+                total[k] = v
+    avg = {k: (v / len(paths)).float() if v.is_floating_point() else v for k, v in total.items()}
+    return avg, [int(p.stem.split("-")[1]) for p in paths]
+
+
+@torch.no_grad()
+def evaluate_panel(model, sets: dict[str, list], att_context_size: list[int]) -> dict[str, float]:
+    return {name: round(evaluate(model, utts, att_context_size), 4) for name, utts in sets.items()}
+
+
+def kill_verdict(history: list[dict], start: int, after: int) -> str | None:
+    """The kill criterion (docs/asr.md): `after` steps into recipe 2, training-voice WER must have fallen
+    >= 15 points and plain held-out WER >= 10 points from the recipe's first panel; else a reason."""
+    panels = [h for h in history if "panel" in h and h["step"] >= start]
+    if not panels or panels[-1]["step"] - start < after:
+        return None
+    first, last = panels[0]["panel"], panels[-1]["panel"]
+    drop_train = first["train-voices"] - last["train-voices"]
+    drop_plain = first["heldout-synthetic"] - last["heldout-synthetic"]
+    if drop_train >= 0.15 and drop_plain >= 0.10:
+        return None
+    return (
+        f"kill criterion met at step {panels[-1]['step']}: training-voice WER fell {100 * drop_train:.1f} points "
+        f"(needs 15), plain held-out {100 * drop_plain:.1f} (needs 10): stop and debug (target/time mapping "
+        "under augmentation, learning rate, batch) before spending more"
+    )
+
+
+def train_pool(
+    args, model, phone_head, opt, phone_opt, meta, run: Path, device, step: int, ckpt: dict
+) -> int:
+    """Recipe 2's loop (asr/training/pool.py for the data); resumable to the batch and the RNG."""
+    import contextlib
+    import random
+
+    from asr.training.pool import PoolStream, Schedule, lr_schedule, scale_spec_augment
+    from asr.training.streaming_model import ATT_CONTEXT_SIZES
+
+    start = int(meta.get("recipe_start", 0))
+    schedule = Schedule(words_from=7 if start == 0 and step < LONG_STEPS else 0)
+    data_batches = int(ckpt.get("data_batches", 0))
+    if "phone_head" not in ckpt:  # a shipped .nemo has no phone head: it starts fresh here
+        meta["phone_head_start"] = step
+    if "rng" in ckpt:
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        np.random.set_state(ckpt["rng"]["numpy"])
+        random.setstate(ckpt["rng"]["python"])
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = args.dropout
+    use_bf16 = bf16_wanted(args.bf16, device)
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+        if use_bf16
+        else (lambda: contextlib.nullcontext())
+    )
+    spec_module = model.spec_augmentation
+    spec_base = {
+        k: float(model.cfg.spec_augment[k]) for k in ("freq_masks", "time_masks", "freq_width", "time_width")
+    }
+    workers = max(args.workers, 0)
+    stream = PoolStream(
+        meta["seed"],
+        meta["batch_size"],
+        str(run / "tokenizer" / "tokenizer.model"),
+        pool_size=args.pool,
+        epochs=args.pool_epochs,
+        start_batch=data_batches,
+        start_t=step - start,
+        schedule=schedule,
+        workers=max(workers, 1),
+        engines=_DRY_ENGINES,
+    )
+    data_batches = stream.start_batch
+    loader = torch.utils.data.DataLoader(
+        stream,
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=4 if workers else None,
+        worker_init_fn=_ignore_stop_signals if workers else None,
+    )
+    panel_sets: dict[str, list] = {}
+    if args.panel_n:
+        from asr.training.panel import SETS, panel_set
+
+        panel_sets = {name: panel_set(name, args.panel_n) for name in SETS}
+    la480 = ATT_CONTEXT_SIZES[1]
+    ckpt_path, meta_path = run / "last.pt", run / "run.json"
+
+    def save() -> None:
+        state = {
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "step": step,
+            "phone_head": phone_head.state_dict(),
+            "phone_opt": phone_opt.state_dict(),
+            "data_batches": data_batches,
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+            },
+        }
+        torch.save(state, str(ckpt_path) + ".tmp")
+        os.replace(str(ckpt_path) + ".tmp", ckpt_path)
+        meta_path.write_text(json.dumps(meta, indent=1))
+
+    def check() -> str | None:
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, run / f"ckpt-{step}.pt")
+        for old in checkpoint_paths(run)[: -args.keep]:
+            old.unlink()
+        if panel_sets:
+            wers = evaluate_panel(model, panel_sets, la480)
+            meta["history"].append(
+                {"step": step, "audio_h": round(meta.get("audio_s", 0) / 3600, 2), "panel": wers}
+            )
+            print(f"step {step} panel WER {wers}", flush=True)
+        save()
+        return kill_verdict(meta["history"], start, args.kill_after)
+
+    if panel_sets and not any("panel" in h and h["step"] >= start for h in meta["history"]):
+        check()  # the recipe's first panel: what the kill criterion compares with
+    model.train()
+    deadline = time.monotonic() + args.minutes * 60
+    stop = {"asked": False}
+
+    def ask_stop(signum, _frame):
+        stop["asked"] = True
+        print(f"signal {signum}: saving and stopping after this step", flush=True)
+
+    signal.signal(signal.SIGTERM, ask_stop)
+    signal.signal(signal.SIGINT, ask_stop)
+    print(
+        f"recipe 2 from step {step} (t={step - start}), data batch {data_batches}, bf16 {use_bf16}, "
+        f"workers {workers}, pool {args.pool} x {args.pool_epochs} epochs, device {device}",
+        flush=True,
+    )
+    log: dict[str, list[float]] = {"ctc": [], "align": [], "phone": [], "data": [], "compute": [], "gen": []}
+    timed: list[tuple[float, float]] = []
+    t_wait = time.perf_counter()
+    verdict = None
+    for batch in loader:
+        got = time.perf_counter()
+        if stop["asked"] or time.monotonic() > deadline or (args.steps and step >= args.steps):
+            break
+        t = step + 1 - start
+        lr = lr_schedule(t, args.peak_lr, args.rewarm, args.hold, args.total)
+        for group in opt.param_groups + phone_opt.param_groups:
+            group["lr"] = lr
+        spec_on = scale_spec_augment(spec_module, schedule.spec_scale(t), spec_base)
+        if spec_on and hasattr(spec_module.spec_augment, "_rng"):  # NeMo's own random.Random: seed per step
+            spec_module.spec_augment._rng.seed(meta["seed"] * 1_000_003 + step)
+        audio, lengths = batch["audio"].to(device), batch["lengths"].to(device)
+        feats, feat_lengths = model.preprocessor(input_signal=audio, length=lengths)
+        if spec_on:
+            feats = spec_module(input_spec=feats, length=feat_lengths)
+        with autocast():
+            encoded, el = model.encoder(audio_signal=feats, length=feat_lengths)
+        encoded = encoded.float()
+        lp = model.decoder(encoder_output=encoded)
+        ctc = model.loss(
+            log_probs=lp,
+            targets=batch["targets"].to(device),
+            input_lengths=el,
+            target_lengths=batch["target_lengths"].to(device),
+        )
+        loss = ctc
+        n_frames = lp.shape[1]
+        frames = _fit_frames(batch["align"], n_frames).to(device)
+        aligned = int((frames[:, 0] != -100).sum())
+        if aligned:
+            align = (
+                torch.nn.functional.nll_loss(lp.transpose(1, 2), frames, ignore_index=-100, reduction="sum")
+                / aligned
+            )
+            loss = loss + schedule.align_weight(t) * align
+            log["align"].append(float(align.detach()))
+        labels = _fit_frames(batch["phones"], n_frames).to(device)
+        labelled = int((labels[:, 0] != -100).sum())
+        if labelled:
+            # a fresh head first learns on the encoder's output without moving the encoder (its early,
+            # large loss would otherwise dominate the clipped gradient)
+            young = step - int(meta.get("phone_head_start", -(10**9))) < PHONE_HEAD_WARMUP
+            logits = phone_head((encoded.detach() if young else encoded).transpose(1, 2))
+            phone = (
+                torch.nn.functional.cross_entropy(
+                    logits.transpose(1, 2), labels, ignore_index=-100, reduction="sum"
+                )
+                / labelled
+            )
+            loss = loss + schedule.phone_weight(t) * phone
+            log["phone"].append(float(phone.detach()))
+        opt.zero_grad(set_to_none=True)
+        phone_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(phone_head.parameters()), 1.0)
+        opt.step()
+        phone_opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        done = time.perf_counter()
+        step += 1
+        data_batches = int(batch["batch_index"]) + 1
+        meta["audio_s"] = meta.get("audio_s", 0.0) + float(batch["lengths"].sum()) / 16000
+        log["ctc"].append(float(ctc.detach()))
+        log["data"].append(got - t_wait)
+        log["compute"].append(done - got)
+        log["gen"].append(float(batch["pool_gen_s"]))
+        timed.append((got - t_wait, done - got))
+        t_wait = time.perf_counter()
+        if step % 20 == 0 or (args.profile_steps and len(timed) >= args.profile_steps):
+            parts = [f"step {step} ctc {np.mean(log['ctc']):.3f}"]
+            parts += [f"{k} {np.mean(log[k]):.2f}" for k in ("align", "phone") if log[k]]
+            parts.append(
+                f"lr {lr:.2e} data {np.mean(log['data']):.2f} s compute {np.mean(log['compute']):.2f} s/step "
+                f"pool-gen {sum(log['gen']):.1f} s audio {meta['audio_s'] / 3600:.2f} h"
+            )
+            print(" ".join(parts), flush=True)
+            log = {k: [] for k in log}
+        if args.profile_steps and len(timed) >= args.profile_steps:
+            wait = [a for a, _ in timed[1:]] or [timed[0][0]]
+            comp = [b for _, b in timed]
+            print(
+                f"profile: {len(timed)} steps, first batch {timed[0][0]:.1f} s (pool), then data wait "
+                f"{np.mean(wait):.3f} s + compute {np.mean(comp):.3f} s per step -> "
+                f"{3600 / (np.mean(wait) + np.mean(comp)):.0f} steps/h",
+                flush=True,
+            )
+            break
+        if step % args.every == 0:
+            verdict = check()
+            if verdict:
+                print(verdict, flush=True)
+                meta["killed"] = verdict
+                break
+    save()
+    print(f"stopped at step {step}; resume with the same command", flush=True)
+    return 3 if verdict else 0
+
+
+PHONE_HEAD_WARMUP = 200  # steps a fresh phone head trains on a detached encoder output
+
+
+def _fit_frames(labels: torch.Tensor, n: int) -> torch.Tensor:
+    """Frame labels cropped or padded (-100) to the encoder's `n` frames."""
+    if labels.shape[1] >= n:
+        return labels[:, :n]
+    return torch.nn.functional.pad(labels, (0, n - labels.shape[1]), value=-100)
+
+
+def dry_run(args) -> int:
+    """A tiny model in a temporary run: 3 steps of recipe 2 on `args.device`, a checkpoint, an fp16 export."""
+    import tempfile
+
+    from asr.training.speakers import available_engines, dictionary_sentences
+    from asr.training.streaming_model import train_tokenizer
+
+    engines = tuple(e for e in available_engines() if e in ("espeak", "hibari", "flite"))
+    if not engines:
+        raise SystemExit("dry run: no synthesiser installed (espeakng-loader, hibari-tts or flite)")
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        train_tokenizer([normalize_text(s) for s in dictionary_sentences()[:3000]], run / "tokenizer", 128)
+        argv = [
+            "--run", str(run), "--steps", "3", "--batch-size", "2", "--d-model", "32", "--layers", "1",
+            "--vocab", "128", "--threads", "1", "--pool", "4", "--pool-epochs", "2", "--workers", "0",
+            "--panel-n", "0", "--every", "2", "--device", args.device,
+        ]  # fmt: skip
+        main_args = argv
+        import asr.training.train_streaming as me
+
+        me._DRY_ENGINES = engines
+        rc = me.main(main_args)
+        out = Path(tmp) / "dry.nemo"
+        rc = rc or me.main(["--run", str(run), "--export", str(out), "--average", "2", "--fp16"])
+        ok = rc == 0 and out.is_file() and (run / "last.pt").is_file()
+        ck = torch.load(run / "last.pt", map_location="cpu", weights_only=False)
+        ok = ok and ck["step"] == 3 and ck["data_batches"] == 3 and "rng" in ck
+        print(
+            f"dry run {'ok' if ok else 'FAILED'}: 3 steps on {args.device}, engines {engines}, export {out.stat().st_size if out.is_file() else 0} bytes"
+        )
+        return 0 if ok else 1
+
+
+_DRY_ENGINES: tuple[str, ...] | None = None
 
 
 if __name__ == "__main__":

@@ -59,6 +59,20 @@ def synthetic_set(n: int, augmented: bool, seed: int = 11) -> list[Utterance]:
     return out
 
 
+def panel_sets(n: int = 60, which: str = "all") -> dict[str, list[Utterance]]:
+    """The validation panel's sets (cached audio; asr/training/panel.py) as evaluation utterances."""
+    from asr.training.panel import SETS, panel_set
+
+    names = SETS if which == "all" else tuple(x.strip() for x in which.split(",") if x.strip())
+    unknown = [x for x in names if x not in SETS]
+    if unknown:
+        raise SystemExit(f"eval asr: unknown panel sets {unknown}; sets: {', '.join(SETS)}")
+    return {
+        name: [Utterance(u.id, u.text, u.audio, u.voice, u.word_ends) for u in panel_set(name, n)]
+        for name in names
+    }
+
+
 def _read_audio(path: Path) -> np.ndarray:
     import soundfile as sf
 
@@ -151,6 +165,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--data", default=None, help="a folder of wav+txt pairs or LibriSpeech instead of the synthetic set"
     )
     ap.add_argument("--limit", type=int, default=0, help="with --data: at most this many utterances")
+    ap.add_argument(
+        "--panel",
+        action="store_true",
+        help="the validation panel (asr/training/panel.py): training voices, plain held-out voices, hard "
+        "espeak variants, natural held-out voices on conversational and dictionary text; -n per set (60)",
+    )
+    ap.add_argument("--panel-sets", default="all", help="with --panel: 'all' or a comma list of set names")
     ap.add_argument("--no-moonshine", action="store_true", help="skip the Moonshine baseline")
     ap.add_argument("--out", default="eval-out", help="folder for asr.json and asr.png")
     ap.add_argument("--no-progress", action="store_true")
@@ -198,7 +219,9 @@ def run(args: argparse.Namespace) -> int:
         if not contexts:
             raise SystemExit(f"eval asr: none of the lookaheads {sorted(wanted)} is the model's")
     sets: dict[str, list[Utterance]] = {}
-    if args.data:
+    if args.panel:
+        sets.update(panel_sets(args.n if args.n != 200 else 60, args.panel_sets))
+    elif args.data:
         sets[Path(args.data).name or "data"] = directory_set(Path(args.data), args.limit)
     else:
         sets["heldout-voices"] = synthetic_set(args.n, augmented=False)
@@ -256,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
                 "examples": [{"ref": r, "hyp": h} for r, h in list(zip(refs, hyps, strict=False))[:5]],
             }
         results["sets"][name] = entry
+    results["summary"] = summary(results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "asr.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -263,6 +287,19 @@ def run(args: argparse.Namespace) -> int:
     _plot(results, out / "asr.png")
     print(f"wrote {out / 'asr.json'} and {out / 'asr.png'}")
     return 0
+
+
+def summary(results: dict[str, Any]) -> dict[str, Any]:
+    """WER per set and lookahead (and Moonshine's), plus the streaming / Moonshine WER ratio per set."""
+    table: dict[str, Any] = {}
+    for name, e in results["sets"].items():
+        row: dict[str, Any] = {f"stream_{la}": s["wer"] for la, s in e["streaming"].items()}
+        if "moonshine" in e:
+            row["moonshine"] = e["moonshine"]["wer"]
+            for la, s in e["streaming"].items():
+                row[f"ratio_{la}"] = round(s["wer"] / max(e["moonshine"]["wer"], 1e-3), 2)
+        table[name] = row
+    return table
 
 
 def _print(results: dict[str, Any]) -> None:
@@ -290,8 +327,12 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     except ImportError:
         return
     sets = list(results["sets"].items())
-    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4), squeeze=False)
-    for ax, (name, e) in zip(axes[0], sets, strict=False):
+    cols = min(3, len(sets))
+    rows = -(-len(sets) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(sets) :]:
+        ax.axis("off")
+    for ax, (name, e) in zip(axes.flat, sets, strict=False):
         labels = [f"stream\n{la} ms" for la in e["streaming"]]
         values = [100 * s["wer"] for s in e["streaming"].values()]
         colors = ["tab:blue"] * len(values)

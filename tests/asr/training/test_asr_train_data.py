@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("espeakng_loader")
 
 from asr.training.data import SAMPLE_RATE, Speaker, VoiceSpec, augment_timed, normalize_text  # noqa: E402
-from asr.training.train_streaming import FRAME_S, PHONE_CLASSES, alignment_targets, phone_class, phone_targets  # noqa: E402
+from asr.training.targets import FRAME_S, PHONE_CLASSES, alignment_targets, phone_class, phone_targets  # noqa: E402
 
 
 def _envelope(audio: np.ndarray) -> np.ndarray:

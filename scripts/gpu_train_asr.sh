@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Train the streaming ASR on a GPU for a fixed number of minutes, resuming the shipped checkpoint, and
+# write fp16 weights (the average of the last checkpoints) to $OUT. docs/asr.md, "GPU path".
+#
+#   scripts/gpu_train_asr.sh --minutes 8                 # on the GPU machine (writes $OUT/fc_small.nemo)
+#   scripts/gpu_train_asr.sh --dry-run                   # anywhere, a few seconds: tiny model, 3 steps, export
+#   scripts/gpu_train_asr.sh --check                     # which imports are missing, then exit
+#
+# Environment: PYTHON (default: /opt/torch/.venv/bin/python3 if present, else .venv/bin/python, else
+# python3), OUT (default ${OUT:-gpu-out}), RUN (default runs/gpu-asr), INIT (default
+# asr/weights/fc_small.nemo), WHEELS (a folder of wheels installed offline first if NeMo is missing;
+# default shared/wheels/py312).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MINUTES=8
+WORKERS=""
+BATCH=""
+MODE=train
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --minutes) MINUTES="$2"; shift 2 ;;
+    --workers) WORKERS="$2"; shift 2 ;;
+    --batch-size) BATCH="$2"; shift 2 ;;
+    --dry-run) MODE=dry; shift ;;
+    --check) MODE=check; shift ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+
+if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
+elif [ -x /opt/torch/.venv/bin/python3 ]; then PY=/opt/torch/.venv/bin/python3
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=python3; fi
+OUT="${OUT:-gpu-out}"
+RUN="${RUN:-runs/gpu-asr}"
+INIT="${INIT:-asr/weights/fc_small.nemo}"
+WHEELS="${WHEELS:-shared/wheels/py312}"
+# training text where Debian's wordnet-base / fortunes are missing: written here by
+# `python -m asr.training.speakers --write-text runs/asr-text.txt.gz` (1.1 MB) and carried
+if [ -z "${DUPLEX_ASR_TEXT:-}" ] && [ ! -d /usr/share/wordnet ] && [ -f runs/asr-text.txt.gz ]; then
+  export DUPLEX_ASR_TEXT=runs/asr-text.txt.gz
+fi
+# the panel needs flite and Kokoro to synthesise its natural sets: score it on the GPU only when its
+# cache travels (DUPLEX_ASR_PANEL_CACHE), else score the export here with `duplex eval asr --panel`
+PANEL_N="${PANEL_N:-$([ -n "${DUPLEX_ASR_PANEL_CACHE:-}" ] && echo 60 || echo 0)}"
+
+missing() {
+  "$PY" - <<'PY'
+import importlib.util
+need = ["nemo.collections.asr", "sentencepiece", "soxr", "soundfile", "hibari", "espeakng_loader", "omegaconf"]
+miss = []
+for name in need:
+    try:
+        ok = importlib.util.find_spec(name) is not None
+        if ok and name == "nemo.collections.asr":
+            import nemo.collections.asr  # noqa: F401  (torchaudio, if present, must not break it)
+    except Exception:
+        ok = False
+    if not ok:
+        miss.append(name)
+print(" ".join(miss))
+PY
+}
+
+MISSING="$(missing)"
+if [ -n "$MISSING" ] && [ -d "$WHEELS" ]; then
+  echo "installing carried wheels from $WHEELS for: $MISSING"
+  "$PY" -m pip install --no-index --no-deps --find-links "$WHEELS" "$WHEELS"/*.whl >/dev/null
+  MISSING="$(missing)"
+fi
+if [ "$MODE" = check ] || { [ -n "$MISSING" ] && [ "$MODE" != check ]; }; then
+  echo "python: $PY; missing: ${MISSING:-nothing}"
+  [ -z "$MISSING" ] && exit 0
+  echo "see docs/asr.md (GPU path) for the wheels to carry" >&2
+  exit 2
+fi
+
+DEVICE=cpu
+if "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then DEVICE=cuda; fi
+CPUS="$(nproc)"
+WORKERS="${WORKERS:-$(( CPUS > 2 ? CPUS - 2 : 1 ))}"
+
+if [ "$MODE" = dry ]; then
+  exec "$PY" -m asr.training.train_streaming --dry-run --device "$DEVICE"
+fi
+
+mkdir -p "$OUT"
+ARGS=(--run "$RUN" --device "$DEVICE" --minutes "$MINUTES" --workers "$WORKERS" --pool $(( WORKERS * 256 ))
+      --threads 4 --every 500 --panel-n "$PANEL_N")
+[ -n "$BATCH" ] && ARGS+=(--batch-size "$BATCH")
+[ -e "$RUN/last.pt" ] || ARGS+=(--init "$INIT")
+echo "training on $DEVICE for $MINUTES min with $WORKERS data workers ($PY)"
+"$PY" -m asr.training.train_streaming "${ARGS[@]}" 2>&1 | grep -v "NeMo W" | tee "$OUT/train.log"
+"$PY" -m asr.training.train_streaming --run "$RUN" --export "$OUT/fc_small.nemo" --average 5 --fp16
+cp "$RUN/run.json" "$OUT/run.json"
+echo "wrote $OUT/fc_small.nemo (fp16) and $OUT/train.log"
