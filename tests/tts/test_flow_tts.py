@@ -1,0 +1,228 @@
+"""The flow TTS stage: the stage contract, text tags that cover the input exactly, ~225 ms chunks,
+split invariance, determinism, batched == one by one, and a clear error without weights. Tiny seeded
+models and a toy front end (hibari's G2P only where the word mapping needs it)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from codec.speech_codec import CodecConfig, SpeechCodec
+from duplex.base.config import ComponentConfig
+from duplex.base.errors import ModelError
+from duplex.base.messages import TtsInput
+from duplex.base.stage import StreamingStage
+from tts.flow_model import FlowConfig, FlowModel
+from tts.flow_tts import FlowTtsStage, load_flow_tts_stage, word_map
+
+SPACE = 16
+TEXTS = [
+    "Hello there, how are you doing today? I hope it is going well.",
+    "Sure, the capital of France is Paris; it is a lovely city with many museums and parks!",
+    "Okay",
+]
+
+
+class ToyFrontEnd:
+    """Letters -> ids, words separated by the space id, one id list per sentence (with 0 pads)."""
+
+    space_id = SPACE
+
+    def sentences(self, text: str) -> list[list[int]]:
+        out = []
+        for sent in re.split(r"(?<=[.!?])\s+", text.strip()):
+            words = [w for w in sent.split() if re.search(r"\w", w)]
+            if not words:
+                continue
+            ids: list[int] = []
+            for w in words:
+                if ids:
+                    ids.append(SPACE)
+                ids += [20 + ord(ch) % 100 for ch in w.lower() if ch.isalpha()] + [
+                    4 for ch in w if ch in ".,!?;"
+                ]
+            out.append([0, *ids, 0])
+        return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_stage(**kw) -> FlowTtsStage:
+    torch.manual_seed(0)
+    codec = SpeechCodec(
+        CodecConfig(
+            enc_fast_dim=16,
+            enc_fast_blocks=1,
+            enc_dim=16,
+            enc_blocks=1,
+            groups=1,
+            dec_dim=16,
+            dec_blocks=1,
+            dec_fast_dim=16,
+            dec_fast_blocks=1,
+            n_pca=4,
+        )
+    )
+    with torch.no_grad():
+        codec.lh_basis.normal_(0, 0.05)
+        codec.nz_basis.normal_(0, 0.05)
+        codec.lh_mean.fill_(-3)
+        codec.nz_mean.fill_(-5)
+    model = FlowModel(
+        FlowConfig(latent_dim=4, enc_dim=32, enc_layers=2, dim=32, layers=2, t_dim=16, chunk=6, left_chunks=2)
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return FlowTtsStage(model, codec, ToyFrontEnd(), steps=2, **kw)
+
+
+STAGE = None
+
+
+def stage() -> FlowTtsStage:
+    global STAGE
+    if STAGE is None:
+        STAGE = make_stage()
+    return STAGE
+
+
+def run(st: FlowTtsStage, deltas: list[str]):
+    state = st.init_state()
+    chunks = []
+    for i, d in enumerate(deltas):
+        out, state = st.step(state, TtsInput(d, final=i == len(deltas) - 1))
+        chunks += out
+    return chunks
+
+
+def test_is_a_streaming_stage() -> None:
+    st = stage()
+    assert isinstance(st, StreamingStage)
+    assert st.kind == "tts" and st.sample_rate == 24000
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_text_tags_cover_the_input_exactly(text: str) -> None:
+    chunks = run(stage(), [text])
+    spoken = " ".join(c.text for c in chunks if c.text)
+    assert spoken == " ".join(text.split())
+    assert all(c.audio.dtype == np.float32 and np.isfinite(c.audio).all() for c in chunks)
+
+
+def test_chunks_are_about_200_ms() -> None:
+    chunks = run(stage(), [TEXTS[1]])
+    sizes = [len(c.audio) for c in chunks]
+    assert max(sizes[:-1]) == 6 * 900  # 225 ms; the last chunk of each utterance may be shorter
+    assert sum(s == 5400 for s in sizes) >= len(sizes) // 2
+
+
+def test_words_arrive_no_earlier_than_their_audio() -> None:
+    """A chunk is tagged with a word only once the word's last frame is in the audio so far."""
+    st = make_stage(first_phrase_words=12)  # one phrase, so `utterances` sees what the stage speaks
+    text = "Hello there how are you doing today and tomorrow?"
+    utts = st.utterances(text)
+    chunks = run(st, [text])
+    heard = 0
+    for c in chunks:
+        heard += len(c.audio)
+        for w in c.text.split():
+            u = next(u for u in utts if w in u.words)
+            end = u.word_end[u.words.index(w)]
+            assert heard >= min(end + 1, u.frames) * 900
+
+
+def test_split_invariant_and_deterministic() -> None:
+    text = TEXTS[0] + " " + TEXTS[1]
+    whole = run(stage(), [text])
+    words = run(stage(), re.findall(r"\s*\S+", text))
+    a = np.concatenate([c.audio for c in whole])
+    b = np.concatenate([c.audio for c in words])
+    np.testing.assert_allclose(a, b, atol=1e-5)
+    assert " ".join(c.text for c in whole if c.text) == " ".join(c.text for c in words if c.text)
+    again = np.concatenate([c.audio for c in run(stage(), [text])])
+    assert np.array_equal(a, again)
+    other = make_stage(seed=5)
+    assert not np.allclose(a, np.concatenate([c.audio for c in run(other, [text])]))
+
+
+def test_step_batch_equals_one_by_one() -> None:
+    st = stage()
+    one = [st.step(st.init_state(), TtsInput(t, final=True)) for t in TEXTS]
+    # a second call on a session that already spoke (continuing decoder state) batched with new ones
+    first, state = st.step(st.init_state(), TtsInput("Well, hello there. ", final=False))
+    batch = st.step_batch(
+        [(st.init_state(), TtsInput(t, final=True)) for t in TEXTS] + [(state, TtsInput("Bye now.", True))]
+    )
+    alone = st.step(state, TtsInput("Bye now.", True))
+    for (o1, _), (o2, _) in zip([*one, alone], batch, strict=True):
+        assert [c.text for c in o1] == [c.text for c in o2]
+        for c1, c2 in zip(o1, o2, strict=True):
+            np.testing.assert_allclose(c1.audio, c2.audio, atol=1e-4)
+    assert first and state.decoder is not None
+
+
+def test_final_flushes_and_resets() -> None:
+    st = stage()
+    out, state = st.step(st.init_state(), TtsInput("Hi there.", final=True))
+    assert state.decoder is None and state.phrases.pending == ""
+    out2, _ = st.step(st.init_state(), TtsInput("", final=True))
+    assert out2 == []
+
+
+def test_missing_weights_say_how_to_train(tmp_path) -> None:
+    cfg = ComponentConfig(name="tts", backend="flow", weights={"path": str(tmp_path)})
+    with pytest.raises(ModelError, match="tts.training.train_flow"):
+        load_flow_tts_stage(cfg)
+
+
+def test_word_map_with_hibari_g2p() -> None:
+    """Numbers expand to several phoneme words; the map still gives each text word its own."""
+    pytest.importorskip("hibari")
+    from tts.flow_tts import HibariFrontEnd, _phoneme_words
+
+    fe = HibariFrontEnd()
+    text = "Dr. Smith paid $9.99 for it."
+    sents = fe.sentences(text)
+    counts = [len({w for w in _phoneme_words(ids, fe.space_id) if w >= 0}) for ids in sents]
+    owner = word_map(text.split(), counts, fe)
+    assert len(owner) == sum(counts) > len(text.split())
+    assert owner == sorted(owner) and set(owner) == set(range(len(text.split())))
+
+
+def test_loader_reads_exported_weights_and_checks_the_codec(tmp_path) -> None:
+    """Weights + json written as the recipe exports them load into a working stage; another codec is refused."""
+    pytest.importorskip("hibari")
+    import hashlib
+    import json
+
+    from safetensors.torch import save_file
+
+    st = make_stage()
+    save_file(
+        {k: v.half().contiguous() for k, v in st.model.state_dict().items()},
+        str(tmp_path / "flow_model.safetensors"),
+    )
+    codec_sd = {k: v.contiguous() for k, v in st.codec.state_dict().items()}
+    save_file(
+        codec_sd, str(tmp_path / "codec.safetensors"), metadata={"config": json.dumps(st.codec.cfg.to_dict())}
+    )
+    sha = hashlib.sha256((tmp_path / "codec.safetensors").read_bytes()).hexdigest()
+    meta = {"config": st.model.cfg.to_dict(), "codec_file": "codec.safetensors", "codec_sha256": sha}
+    (tmp_path / "flow_model.json").write_text(json.dumps(meta))
+    cfg = ComponentConfig(name="tts", backend="flow", weights={"path": str(tmp_path)}, options={"steps": 2})
+    loaded = load_flow_tts_stage(cfg)
+    out, _ = loaded.step(loaded.init_state(), TtsInput("Hello there, friend.", final=True))
+    assert " ".join(c.text for c in out if c.text) == "Hello there, friend."
+    (tmp_path / "flow_model.json").write_text(json.dumps(meta | {"codec_sha256": "0" * 64}))
+    with pytest.raises(ModelError, match="retrain"):
+        load_flow_tts_stage(cfg)

@@ -1,0 +1,385 @@
+"""The project's own streaming voice: text deltas -> phrases -> hibari's G2P -> the flow model's codec latent,
+chunk by chunk -> the speech codec's streaming decoder -> 24 kHz audio chunks of ~225 ms, each tagged with
+exactly the words whose last sound it carries (so a barge-in knows what was heard to the chunk).
+
+Per session the state is the phrase segmenter's and the codec decoder's (continuous over a response); each
+phoneme utterance (a sentence of a phrase) gets a fresh `FlowState`. `step_batch` runs every session's
+chunks in lock-step: one batched flow step and one batched codec step per round for all sessions whose next
+chunk has the same length.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from codec.speech_codec import DecoderState, SpeechCodec
+from duplex.base.config import ComponentConfig, ConfigError
+from duplex.base.errors import ModelError
+from duplex.base.messages import TtsChunk, TtsInput
+from duplex.base.phrases import PhraseSegmenter, PhraseState
+from tts.flow_model import UNIT_SUBFRAMES, FlowConfig, FlowModel, FlowState
+
+SAMPLE_RATE = 24000
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+CODEC_WEIGHTS = Path(__file__).resolve().parents[1] / "codec" / "weights" / "speech_codec.safetensors"
+TRAIN_HINT = (
+    "train it with `python -m tts.training.train_flow --run ~/.cache/duplex/runs/flow/run1 --minutes 150` "
+    "and export with `python -m tts.training.train_flow --run ~/.cache/duplex/runs/flow/run1 --export tts/weights`"
+)
+#: pauses as durations of the utterance's boundary pad tokens, in hibari units (25 ms)
+LEAD_UNITS = 1
+PAUSE_UNITS = {"sentence": 10, "clause": 5, "none": 1}
+
+
+def pause_kind(text: str) -> str:
+    core = text.rstrip("\"')]}”’»")
+    if core.endswith((".", "!", "?", "…")):
+        return "sentence"
+    if core.endswith((",", ";", ":")):
+        return "clause"
+    return "none"
+
+
+class FrontEnd(Protocol):
+    """Text -> phoneme ids: `sentences(text)` gives one id list per sentence (with hibari's 0 pads);
+    `space_id` separates words inside an id list."""
+
+    space_id: int
+
+    def sentences(self, text: str) -> list[list[int]]: ...
+
+
+class HibariFrontEnd:
+    """hibari's G2P and vocabulary, without its acoustic model (the same ids the teacher saw)."""
+
+    def __init__(self) -> None:
+        try:
+            from hibari import Hibari
+            from hibari.g2p import G2P
+        except ImportError:
+            raise ModelError("the flow TTS uses hibari's G2P: pip install hibari-tts==0.2.1") from None
+        import hibari
+
+        self._split = Hibari.split_sentences
+        vocab_path = Path(hibari.__file__).resolve().parent / "assets" / "vocab.json"
+        self.vocab: dict[str, int] = json.loads(vocab_path.read_text(encoding="utf-8"))
+        self.space_id = self.vocab[" "]
+        self._g2p = G2P(british=False)
+        # the G2P is not documented as thread-safe; it takes well under a millisecond per phrase
+        self._lock = threading.Lock()
+
+    def phonemes(self, text: str) -> list[str]:
+        with self._lock:
+            return [ps for ps in (self._g2p(s) for s in self._split(text)) if ps]
+
+    def ids(self, phonemes: str) -> list[int]:
+        return [0, *[self.vocab[c] for c in phonemes if c in self.vocab], 0]
+
+    def sentences(self, text: str) -> list[list[int]]:
+        return [self.ids(ps) for ps in self.phonemes(text)]
+
+
+def _phoneme_words(ids: list[int], space_id: int) -> list[int]:
+    """Word index (within this id list) of every position; -1 on pads and spaces."""
+    out, w, seen = [], 0, False
+    for i, t in enumerate(ids):
+        if i in (0, len(ids) - 1) or t == space_id:
+            if t == space_id and seen:
+                w, seen = w + 1, False
+            out.append(-1)
+        else:
+            out.append(w)
+            seen = True
+    return out
+
+
+def word_map(text_words: list[str], counts: list[int], front: FrontEnd) -> list[int]:
+    """Text word that each phoneme word (over all sentences, in order) belongs to. Phoneme words and text
+    words usually pair one to one; numbers and symbols expand ("$5" -> "five dollars"), then each text word
+    is phonemised alone to count its phoneme words, and if that still disagrees words are spread evenly."""
+    total = sum(counts)
+    n = len(text_words)
+    if total == n:
+        return list(range(n))
+    per = [
+        sum(len(set(w for w in _phoneme_words(ids, front.space_id) if w >= 0)) for ids in front.sentences(t))
+        for t in text_words
+    ]
+    if sum(per) == total:
+        return [i for i, k in enumerate(per) for _ in range(k)]
+    return [min(n - 1, (j * n) // max(total, 1)) for j in range(total)]
+
+
+@dataclass
+class Utterance:
+    """One sentence of a phrase, ready to stream: frame conditions, and the codec frame at which each of
+    its words has been fully spoken (exclusive end)."""
+
+    cond: torch.Tensor  # [1, N, dim]
+    mu: torch.Tensor  # [1, N, D]
+    words: list[str]
+    word_end: list[int]
+    word_ids: list[int]  # indices of `words` in the phrase
+
+    @property
+    def frames(self) -> int:
+        return int(self.cond.shape[1])
+
+
+@dataclass
+class FlowTtsState:
+    """Per-response state: the phrase segmenter's, the codec decoder's (continuous over the response),
+    and the absolute codec frame count (for the noise of the next utterance)."""
+
+    phrases: PhraseState
+    decoder: DecoderState | None = None
+    utterances: int = 0
+
+
+@dataclass
+class _Cursor:
+    """One session's work inside one call: its utterances, where it is, what it has produced."""
+
+    utterances: list[Utterance]
+    decoder: DecoderState
+    seed: int
+    first_utterance: int  # utterances of this response before this call (each gets its own noise)
+    u: int = 0
+    frame: int = 0
+    flow: FlowState | None = None
+    chunks: list[TtsChunk] = field(default_factory=list)
+    done_words: int = 0
+
+    def next_n(self, chunk: int) -> int | None:
+        if self.u >= len(self.utterances):
+            return None
+        return min(chunk, self.utterances[self.u].frames - self.frame)
+
+
+class FlowTtsStage:
+    """Streaming TTS stage over the flow model and the speech codec (`StreamingStage[FlowTtsState,
+    TtsInput, list[TtsChunk]]`)."""
+
+    kind = "tts"
+    sample_rate = SAMPLE_RATE
+
+    def __init__(
+        self,
+        model: FlowModel,
+        codec: SpeechCodec,
+        front: FrontEnd,
+        *,
+        steps: int = 4,
+        chunk: int | None = None,
+        seed: int = 0,
+        speed: float = 1.0,
+        snap: bool = True,
+        first_phrase_words: int = 3,
+        max_phrase_words: int = 12,
+    ) -> None:
+        if model.cfg.latent_dim != codec.cfg.latent_dim:
+            raise ModelError(
+                f"flow model predicts {model.cfg.latent_dim}-d latents but the codec takes {codec.cfg.latent_dim}"
+            )
+        if not 0.5 <= speed <= 2.0:
+            raise ConfigError("tts option 'speed' must be in [0.5, 2.0]")
+        self.model, self.codec, self.front = model.eval(), codec.eval(), front
+        self.steps, self.seed, self.speed, self.snap = int(steps), int(seed), float(speed), bool(snap)
+        self.chunk = int(chunk or model.cfg.chunk)
+        self.segmenter = PhraseSegmenter(first_phrase_words, max_phrase_words)
+        levels = torch.tensor(codec.fsq.levels, dtype=torch.float32).repeat(codec.fsq.groups)
+        self._half = torch.div(levels, 2, rounding_mode="floor")
+        self._lo, self._hi = -torch.ones_like(levels), (levels - 1 - self._half) / self._half
+
+    def init_state(self) -> FlowTtsState:
+        return FlowTtsState(phrases=self.segmenter.init_state())
+
+    # -- front half: phrase -> utterances ---------------------------------------------------------------
+    @torch.no_grad()
+    def utterances(self, phrase: str) -> list[Utterance]:
+        """G2P, durations (pauses set by punctuation), frame conditions and word ends for one phrase."""
+        sents = self.front.sentences(phrase)
+        words = phrase.split()
+        pw = [_phoneme_words(ids, self.front.space_id) for ids in sents]
+        counts = [len({w for w in p if w >= 0}) for p in pw]
+        owner = word_map(words, counts, self.front)
+        out: list[Utterance] = []
+        base = 0
+        sub = self.model.cfg.subframes
+        for si, (ids, p) in enumerate(zip(sents, pw, strict=True)):
+            h = self.model.encoder(torch.tensor([ids], dtype=torch.long))
+            units = self.model.predict_units(h, self.speed)
+            units[0, 0] = LEAD_UNITS
+            units[0, -1] = PAUSE_UNITS[pause_kind(phrase) if si == len(sents) - 1 else "sentence"]
+            cond = self.model.regulate(h, units)
+            ends_sub = torch.cumsum(units[0] * UNIT_SUBFRAMES, 0).tolist()
+            end: dict[int, int] = {}
+            for pos, w in enumerate(p):
+                if w >= 0:
+                    tw = owner[min(base + w, len(owner) - 1)]
+                    end[tw] = max(end.get(tw, 0), -(-int(ends_sub[pos]) // sub))
+            base += counts[si]
+            mine = sorted(end)
+            out.append(Utterance(cond.cond, cond.mu, [words[i] for i in mine], [end[i] for i in mine], mine))
+        # every text word is spoken by exactly one utterance: one no phoneme maps to ("&", a stray symbol)
+        # rides with the word before it (or opens the first utterance)
+        mapped = {i for u in out for i in u.word_ids}
+        for i in range(len(words)):
+            if i in mapped or not out:
+                continue
+            target = out[0]
+            for u in out:
+                if any(j < i for j in u.word_ids):
+                    target = u
+            k = sum(1 for j in target.word_ids if j < i)
+            target.word_ids.insert(k, i)
+            target.words.insert(k, words[i])
+            target.word_end.insert(k, target.word_end[k - 1] if k else 0)
+        return out
+
+    # -- back half: utterances -> chunks, batched over sessions ---------------------------------------------
+    def _latent(self, y: torch.Tensor) -> torch.Tensor:
+        if not self.snap:
+            return y
+        y = torch.minimum(torch.maximum(y, self._lo), self._hi)
+        return torch.round(y * self._half) / self._half
+
+    def _advance(self, cur: _Cursor, audio: np.ndarray, n: int) -> None:
+        """Record one decoded chunk: tag it with the words whose end it carries (one frame of codec delay)."""
+        utt = cur.utterances[cur.u]
+        cur.frame += n
+        last = cur.frame >= utt.frames
+        k = cur.done_words
+        while k < len(utt.words) and (last or utt.word_end[k] + 1 <= cur.frame):
+            k += 1
+        text = " ".join(utt.words[cur.done_words : k])
+        cur.chunks.append(TtsChunk(audio=audio, text=text))
+        cur.done_words = k
+        if last:
+            cur.u, cur.frame, cur.flow, cur.done_words = cur.u + 1, 0, None, 0
+
+    @torch.no_grad()
+    def _run(self, cursors: list[_Cursor]) -> None:
+        while True:
+            todo = [(c, c.next_n(self.chunk)) for c in cursors]
+            todo = [(c, n) for c, n in todo if n]
+            if not todo:
+                return
+            by_n: dict[int, list[_Cursor]] = {}
+            for c, n in todo:
+                by_n.setdefault(n, []).append(c)
+            for n, group in by_n.items():
+                for c in group:
+                    if c.flow is None:
+                        c.flow = self.model.init_state(
+                            1, self.steps, self.chunk, seed=c.seed + 7919 * (c.first_utterance + c.u)
+                        )
+                flow = FlowState.stack([c.flow for c in group])  # type: ignore[misc]
+                cond = torch.cat([c.utterances[c.u].cond[:, c.frame : c.frame + n] for c in group])
+                mu = torch.cat([c.utterances[c.u].mu[:, c.frame : c.frame + n] for c in group])
+                y, flow = self.model.step(flow, cond, mu)
+                dec = DecoderState.stack([c.decoder for c in group])
+                audio, dec = self.codec.decode_latent_step(dec, self._latent(y))
+                for c, f, d, a in zip(group, flow.unbind(), dec.unbind(), audio.numpy(), strict=True):
+                    c.flow, c.decoder = f, d
+                    self._advance(c, a.astype(np.float32), n)
+
+    def _prepare(self, state: FlowTtsState, chunk: TtsInput) -> tuple[_Cursor, PhraseState]:
+        phrases, phrase_state = self.segmenter.step(state.phrases, chunk.text, chunk.final)
+        utts = [u for p in phrases for u in self.utterances(p)]
+        decoder = state.decoder if state.decoder is not None else self.codec.init_state(1)
+        return _Cursor(utts, decoder, self.seed, state.utterances), phrase_state
+
+    def _finish(
+        self, state: FlowTtsState, cur: _Cursor, phrase_state: PhraseState, final: bool
+    ) -> tuple[list[TtsChunk], FlowTtsState]:
+        out = cur.chunks
+        decoder: DecoderState | None = cur.decoder
+        if final and (state.decoder is not None or out):
+            tail = self.codec.flush(cur.decoder)[0].numpy().astype(np.float32)
+            if out:
+                out[-1] = TtsChunk(np.concatenate([out[-1].audio, tail]), out[-1].text)
+            else:
+                out = [TtsChunk(tail, "")]
+            decoder = None
+        n_utt = state.utterances + len(cur.utterances)
+        return out, FlowTtsState(phrases=phrase_state, decoder=decoder, utterances=n_utt)
+
+    def step(self, state: FlowTtsState, chunk: TtsInput) -> tuple[list[TtsChunk], FlowTtsState]:
+        """Add a text delta; synthesise every phrase that became ready. The input state is not modified."""
+        return self.step_batch([(state, chunk)])[0]
+
+    def step_batch(
+        self, items: list[tuple[FlowTtsState, TtsInput]]
+    ) -> list[tuple[list[TtsChunk], FlowTtsState]]:
+        """Several sessions at once: the flow and the codec run batched over their chunks, round by round."""
+        prepared = [self._prepare(s, c) for s, c in items]
+        self._run([cur for cur, _ in prepared])
+        return [self._finish(s, cur, ps, c.final) for (s, c), (cur, ps) in zip(items, prepared, strict=True)]
+
+
+# -- loading ------------------------------------------------------------------------------------------------
+def load_flow_model(path: Path) -> tuple[FlowModel, dict]:
+    """A FlowModel from DIR/flow_model.safetensors + DIR/flow_model.json (dimensions in the json)."""
+    st, meta_path = path / "flow_model.safetensors", path / "flow_model.json"
+    if not st.is_file() or not meta_path.is_file():
+        raise ModelError(
+            f"flow TTS weights not found in {path} (flow_model.safetensors + flow_model.json); {TRAIN_HINT}"
+        )
+    from safetensors.torch import load_file
+
+    meta = json.loads(meta_path.read_text())
+    model = FlowModel(FlowConfig.from_dict(meta["config"]))
+    model.load_state_dict({k: v.float() for k, v in load_file(str(st)).items()})
+    return model.eval(), meta
+
+
+def load_flow_tts_stage(cfg: ComponentConfig) -> FlowTtsStage:
+    """Build the stage from the models.yaml `tts` component (backend `flow`)."""
+    if cfg.backend != "flow":
+        raise ConfigError(f"component {cfg.name!r}: unknown TTS backend {cfg.backend!r} for the flow stage")
+    from codec.speech_codec import load_codec
+
+    path = Path(cfg.weights.get("path", WEIGHTS_DIR))  # {shipped: true} (or nothing): tts/weights
+    if not path.is_absolute() and not path.is_dir():
+        path = Path(__file__).resolve().parents[1] / path
+    model, meta = load_flow_model(path)
+    codec_path = Path(cfg.weights.get("codec", meta.get("codec_file", CODEC_WEIGHTS)))
+    if not codec_path.is_absolute():  # relative to the weights folder, else to the repository
+        inside = path / codec_path
+        codec_path = inside if inside.is_file() else Path(__file__).resolve().parents[1] / codec_path
+    if not codec_path.is_file():
+        raise ModelError(
+            f"speech codec weights not found at {codec_path}: the flow TTS decodes with the codec it was trained on "
+            f"(python -m codec.training.train_codec ... --export codec/weights)"
+        )
+    want = meta.get("codec_sha256")
+    if want:
+        import hashlib
+
+        got = hashlib.sha256(codec_path.read_bytes()).hexdigest()
+        if got != want:
+            raise ModelError(
+                f"the flow model was trained on codec {want[:12]} but {codec_path} is {got[:12]}: retrain it "
+                f"on this codec ({TRAIN_HINT})"
+            )
+    opts = cfg.options
+    return FlowTtsStage(
+        model,
+        load_codec(str(codec_path)),
+        HibariFrontEnd(),
+        steps=int(opts.get("steps", 4)),
+        chunk=int(opts.get("chunk_frames", model.cfg.chunk)),
+        seed=int(opts.get("seed", 0)),
+        speed=float(opts.get("speed", 1.0)),
+        snap=bool(opts.get("snap", True)),
+        first_phrase_words=int(opts.get("first_phrase_words", 3)),
+        max_phrase_words=int(opts.get("max_phrase_words", 12)),
+    )
