@@ -104,10 +104,11 @@ class MoonshineScorer:
         return line.decode().rstrip("\n")
 
 
-def load_any(weights: Path | None, ckpt: Path | None) -> SpeechCodec:
-    if weights:
-        return load_codec(str(weights))
-    sd = torch.load(ckpt, map_location="cpu", weights_only=False)
+def load_codec_any(path: Path) -> SpeechCodec:
+    """A codec from an exported safetensors file or a training checkpoint (its EMA weights)."""
+    if path.suffix == ".safetensors":
+        return load_codec(str(path))
+    sd = torch.load(path, map_location="cpu", weights_only=False)
     m = SpeechCodec(CodecConfig.from_dict(sd["config"]))
     m.load_state_dict(sd["ema"])
     return m.eval()
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from codec.training.hibari_teacher import HibariTeacher, heldout_sentences
 
-    model = load_any(args.weights, args.ckpt)
+    model = load_codec_any(args.weights or args.ckpt)
     teacher, scorer = HibariTeacher(threads=1), MoonshineScorer()
     sents = heldout_sentences()[: args.n]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from codec.speech_codec import CodecConfig, SpeechCodec
+from codec.speech_codec import SpeechCodec
+from codec.training.eval_codec import load_codec_any
 from codec.training.train_codec import save_checkpoint
 from tts.flow_model import FlowConfig, FlowModel, chunk_mask
 
@@ -46,18 +47,6 @@ LEFT_CHOICES = (1, 2, 3, 4)
 
 
 # -- the codec ------------------------------------------------------------------------------------------
-def load_codec_any(path: Path) -> SpeechCodec:
-    """A codec from a training checkpoint (its EMA weights) or an exported safetensors file."""
-    if path.suffix == ".safetensors":
-        from codec.speech_codec import load_codec
-
-        return load_codec(str(path))
-    sd = torch.load(path, map_location="cpu", weights_only=False)
-    m = SpeechCodec(CodecConfig.from_dict(sd["config"]))
-    m.load_state_dict(sd["ema"])
-    return m.eval()
-
-
 def snapshot_codec(codec: SpeechCodec, path: Path) -> str:
     """Write the codec as load_codec reads it (fp32 safetensors, config in the metadata); its sha256."""
     from safetensors.torch import save_file
