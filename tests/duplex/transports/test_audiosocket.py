@@ -180,13 +180,16 @@ async def test_hangup_mid_answer_frees_the_session(gw, how, caplog):
         await call.send_truncated(length=320, sent=100)  # EOF in the middle of a message
     await until(lambda: not gw.service.sessions, 0.5)  # at once, not at the end of the answer
     await call.close()
-    reason = {
-        "terminate": "peer hung up",
-        "close": "peer closed the connection",
-        "abort": "connection",
-        "truncated": "truncated message",
+    # A close while our audio sits unread in the caller's buffer makes the caller's kernel send a
+    # reset instead of a FIN (RFC 1122 4.2.2.13), so "close" may read as either.
+    reasons = {
+        "terminate": ("peer hung up",),
+        "close": ("peer closed the connection", "connection lost"),
+        "abort": ("connection",),
+        "truncated": ("truncated message",),
     }[how]
-    assert any("ended: " + reason in r.getMessage() for r in caplog.records)
+    ended = [r.getMessage() for r in caplog.records if " ended: " in r.getMessage()]
+    assert any("ended: " + reason in msg for msg in ended for reason in reasons), ended
     # and the server still answers the next call
     async with gw.call() as again:
         assert await ask(again, "hello how are you") == FINE
