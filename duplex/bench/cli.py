@@ -1,5 +1,6 @@
-"""`duplex bench`: the serve bench (turns and barge-ins through the native protocol) or, with
-`--transport`, the same prompts through every transport adapter."""
+"""`duplex bench`: the serve bench (turns and barge-ins through the native protocol, and optionally
+factual questions, mid-sentence pauses and multi-turn memory) or, with `--transport`, the same
+prompts through every transport adapter."""
 
 from __future__ import annotations
 
@@ -11,13 +12,50 @@ import time
 from pathlib import Path
 from typing import Any
 
-from duplex.bench.common import QUESTIONS, BenchError, HibariSynth, InProcessServer
+from duplex.bench.common import QUESTIONS, VOICES, BenchError, InProcessServer, make_synth
 from duplex.bench.report import format_table
 from duplex.bench.serve import run_bench
 
 
+def add_case_arguments(b: argparse.ArgumentParser) -> None:
+    """`duplex bench` options for what a caller cares about beyond speed (issue 21); all off by default."""
+    b.add_argument(
+        "--voice",
+        choices=VOICES,
+        default="hibari",
+        help="who speaks the prompts: hibari (the service's own voice) or heldout (flite slt and a Kokoro "
+        "blend, never trained on; needs `make asr-voices`)",
+    )
+    b.add_argument(
+        "--facts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="ask N factual questions of data/dialogue/facts_eval.jsonl and score the answers by keywords "
+        "(60 for a full run)",
+    )
+    b.add_argument(
+        "--pauses",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N sentences with a 1.0-1.5 s mid-sentence pause: how often the service takes the turn too early",
+    )
+    b.add_argument(
+        "--memory",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N two-turn cases ('My name is Anna.' ... 'What is my name?'): does the answer remember",
+    )
+    b.add_argument("--seed", type=int, default=0, help="seed of the pauses, barge-in waits and fact draw")
+
+
 def main(args: argparse.Namespace) -> int:
     """`duplex bench`: see the module docstring."""
+    cases = {k: int(getattr(args, k, 0) or 0) for k in ("facts", "pauses", "memory")}
+    voice = str(getattr(args, "voice", None) or "hibari")
+    seed = int(getattr(args, "seed", 0) or 0)
     transports = _transports(getattr(args, "transport", None))
     if transports is None:
         print(
@@ -25,8 +63,12 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if not transports and (args.turns < 0 or args.barge_ins < 0 or args.turns + args.barge_ins == 0):
-        print("duplex bench: --turns and --barge-ins must be >= 0 and not both 0", file=sys.stderr)
+    counts = [args.turns, args.barge_ins, *cases.values()]
+    if not transports and (min(counts) < 0 or sum(counts) == 0):
+        print(
+            "duplex bench: --turns, --barge-ins, --facts, --pauses and --memory must be >= 0 and not all 0",
+            file=sys.stderr,
+        )
         return 2
     options: dict[str, Any] = {}
     if getattr(args, "session", None):
@@ -57,6 +99,13 @@ def main(args: argparse.Namespace) -> int:
             audiosocket = parse_host_port(args.audiosocket)
         except ValueError as exc:
             print(f"duplex bench: --audiosocket: {exc}", file=sys.stderr)
+            return 2
+    synth = None  # hibari: run_bench loads it once the server answers
+    if voice != "hibari" and not tones:
+        try:  # before loading the service: a missing voice engine fails in a second, not minutes
+            synth = make_synth(voice, seed)
+        except BenchError as exc:
+            print(f"duplex bench: {exc}", file=sys.stderr)
             return 2
     server: InProcessServer | None = None
     service: Any = None
@@ -90,9 +139,19 @@ def main(args: argparse.Namespace) -> int:
         print(f"duplex bench: serving on {url} (in-process; for clean timings run `duplex serve` separately)")
     try:
         if transports:
-            return _bench_transports(url, transports, audiosocket, args, tones)
+            return _bench_transports(url, transports, audiosocket, args, tones, synth)
         result = asyncio.run(
-            run_bench(url, args.turns, args.barge_ins, out_dir=args.out, session_options=options)
+            run_bench(
+                url,
+                args.turns,
+                args.barge_ins,
+                synth,
+                out_dir=args.out,
+                session_options=options,
+                seed=seed,
+                voice=voice,
+                **cases,
+            )
         )
     except BenchError as exc:
         print(f"duplex bench: {exc}", file=sys.stderr)
@@ -132,6 +191,7 @@ def _bench_transports(
     audiosocket: tuple[str, int] | None,
     args: argparse.Namespace,
     tones: bool,
+    synth: Any,
 ) -> int:
     from duplex.bench.transport import (
         format_transport_table,
@@ -149,8 +209,8 @@ def _bench_transports(
         prompts = ["what is the capital of france", "what is two plus two", "hello how are you"]
         speech = {p: tone_speech(p) for p in prompts}
     else:
-        print("loading hibari for the prompts ...", flush=True)
-        speech = synthesise_prompts(prompts, HibariSynth())
+        print(f"synthesising the prompts ({getattr(args, 'voice', 'hibari')} voice) ...", flush=True)
+        speech = synthesise_prompts(prompts, synth or make_synth("hibari"))
     rounds = max(1, args.rounds)
     result = asyncio.run(
         run_transport_bench(base, transports, prompts, speech, audiosocket=audiosocket, rounds=rounds)

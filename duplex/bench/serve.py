@@ -19,6 +19,18 @@ measured, per turn:
   of `run_total_s` divided by the input audio seconds sent (vad, asr.*) or the answer audio seconds
   received (llm.*, tts); the server process's CPU time (user + system) and peak RSS; overruns.
 
+What a caller cares about beyond speed, in the same run (each off by default):
+
+- **facts** (`facts=N`): N questions of data/dialogue/facts_eval.jsonl (a seeded draw), each answer
+  (`response.done`'s text) scored by its keyword groups (`conversation.keywords_match`); wrong
+  answers are listed, and those whose relay had committed a draft are counted, with the stricter
+  count of drafts that already held a wrong answer keyword (`conversation.draft_wrong_keyword`).
+- **pause takeover** (`pauses=N`): the first part of a sentence, a 1.0-1.5 s pause, the rest; taken
+  over when the service began an answer (`response.audio.started` or a non-backchannel audio frame)
+  before the rest was sent. Each case waits for the answer to the whole sentence.
+- **memory** (`memory=N`): "My name is Anna." (answered), then "What is my name?": right when the
+  answer holds the fact, says "your"/"you", and does not claim the fact as its own.
+
 Every measure is reported as n / P50 / P90 / P99 (and min / max), never as a mean alone. Results go
 to OUT/bench.json (raw samples, summary, settings, the server's /stats before and after) and
 OUT/bench.png.
@@ -51,23 +63,28 @@ from duplex.bench.common import (
     FRAME_SECONDS,
     INTERRUPTIONS,
     LONG_PROMPTS,
+    MEMORY_CASES,
+    PAUSE_PAIRS,
     QUESTIONS,
     SR,
     TARGETS,
     BenchError,
+    Fact,
     HibariSynth,
     Listener,
+    MemoryCase,
     Mic,
     Progress,
     Synth,
     cancel_tasks,
     count_leaks,
     fetch_stats,
+    load_facts,
     percentiles,
     real_time_factors,
     trim_speech,
 )
-from duplex.bench.conversation import Conversation
+from duplex.bench.conversation import Conversation, answer_vocabulary
 from duplex.bench.report import write_outputs
 from duplex.core.events import LATENCY_STAGES
 
@@ -96,7 +113,7 @@ def _summary(turns: list[dict[str, Any]], barge_ins: list[dict[str, Any]]) -> di
         "onset_s": onset,
         "onset_by_kind_s": {
             k: percentiles([t["onset_s"] for t in ok if t["kind"] == k])
-            for k in ("question", "long", "interruption")
+            for k in ("question", "long", "interruption", "fact", "pause", "memory")
         },
         "server_latency_ms": server,
         "barge_in_reaction_s": reaction,
@@ -130,6 +147,65 @@ def _summary(turns: list[dict[str, Any]], barge_ins: list[dict[str, Any]]) -> di
     return summary
 
 
+def _rate(k: int, n: int) -> float | None:
+    return round(k / n, 4) if n else None
+
+
+def case_summary(
+    facts: list[dict[str, Any]], pauses: list[dict[str, Any]], memory: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The summary's `facts`, `pause_takeover` and `memory` (n = cases asked; each with a rate)."""
+    right = sum(1 for f in facts if f["correct"])
+    wrong = [f for f in facts if not f["correct"]]
+    taken = sum(1 for p in pauses if p.get("taken_over"))
+    measured = [p for p in pauses if p.get("taken_over") is not None]
+    remembered = sum(1 for m in memory if m["correct"])
+    return {
+        "facts": {
+            "n": len(facts),
+            "correct": right,
+            "rate": _rate(right, len(facts)),
+            "failed": sum(1 for f in facts if not f["ok"]),  # no answer at all (counted wrong)
+            "draft_committed": sum(1 for f in facts if f["draft_committed"]),
+            # wrong answers that began with a committed draft: the relay may be to blame ...
+            "wrong_with_committed_draft": sum(1 for f in wrong if f["draft_committed"]),
+            # ... and those whose draft already held a wrong answer keyword: it is
+            "wrong_from_draft": sum(1 for f in wrong if f.get("draft_wrong_keyword")),
+            "wrong": [
+                {
+                    "q": f["q"],
+                    "heard": f["transcript"],
+                    "answer": f["answer"],
+                    **({"draft": f["draft"]} if f["draft_committed"] else {}),
+                    **({"error": f["error"]} if f.get("error") else {}),
+                }
+                for f in wrong
+            ],
+        },
+        "pause_takeover": {
+            "n": len(measured),
+            "taken": taken,
+            "rate": _rate(taken, len(measured)),
+            "recovered": sum(1 for p in pauses if p.get("recovered")),
+        },
+        "memory": {
+            "n": len(memory),
+            "correct": remembered,
+            "rate": _rate(remembered, len(memory)),
+            "wrong": [
+                {
+                    "statement": m["statement"],
+                    "question": m["question"],
+                    "answer": m["answer"],
+                    "why": m["why"],
+                }
+                for m in memory
+                if not m["correct"]
+            ],
+        },
+    }
+
+
 async def run_bench(
     url: str,
     turns: int,
@@ -147,8 +223,17 @@ async def run_bench(
     session_options: dict[str, Any] | None = None,
     progress: Progress | None = print,
     plot: bool = True,
+    facts: int = 0,
+    pauses: int = 0,
+    memory: int = 0,
+    fact_set: Sequence[Fact] | None = None,
+    pause_pairs: Sequence[tuple[str, str]] = PAUSE_PAIRS,
+    pause_s: tuple[float, float] = (1.0, 1.5),
+    memory_cases: Sequence[MemoryCase] = MEMORY_CASES,
+    voice: str | None = None,
 ) -> dict[str, Any]:
-    """Run `turns` question turns, then `barge_ins` barge-in trials, over one session at `url`.
+    """Run `turns` question turns, `facts` factual questions, `pauses` mid-sentence pauses, `memory`
+    two-turn memory cases, then `barge_ins` barge-in trials, over one session at `url`.
 
     `synth(text)` returns float32 speech at 16 kHz (default: hibari); its output is trimmed of
     leading/trailing silence and cached in memory before the connection opens. Returns the result
@@ -168,13 +253,34 @@ async def run_bench(
         )
         for i in range(barge_ins)
     ]
+    # drawn after the barge-in plan, so a run without the new cases draws what it always did
+    all_facts = list(fact_set) if fact_set is not None else (load_facts() if facts > 0 else [])
+    if facts > 0 and not all_facts:
+        raise BenchError("the factual question set is empty")
+    order = list(range(len(all_facts)))
+    rng.shuffle(order)
+    plan_f = [all_facts[order[i % len(order)]] for i in range(facts)]
+    plan_p = [(*pause_pairs[i % len(pause_pairs)], rng.uniform(*pause_s)) for i in range(pauses)]
+    plan_m = [memory_cases[i % len(memory_cases)] for i in range(memory)]
+    vocabulary = answer_vocabulary(all_facts)
     # fail fast (and clearly) when nothing listens, before spending time on synthesis
     await asyncio.to_thread(fetch_stats, url)
 
     if synth is None:
         say("loading hibari for the prompts ...")
         synth = HibariSynth()
-    texts = list(dict.fromkeys([*plan_q, *(p for p, _, _ in plan_b), *(x for _, x, _ in plan_b)]))
+    texts = list(
+        dict.fromkeys(
+            [
+                *plan_q,
+                *(f.q for f in plan_f),
+                *(part for a, b, _ in plan_p for part in (a, b)),
+                *(line for m in plan_m for line in (m.statement, m.question)),
+                *(p for p, _, _ in plan_b),
+                *(x for _, x, _ in plan_b),
+            ]
+        )
+    )
     say(f"synthesising {len(texts)} prompts ...")
     t_syn = time.perf_counter()
     speech: dict[str, np.ndarray] = {}
@@ -220,6 +326,12 @@ async def run_bench(
         try:
             for k, text in enumerate(plan_q):
                 await conv.turn(k, turns, text, speech[text])
+            for k, fact in enumerate(plan_f):
+                await conv.fact(k, facts, fact, speech[fact.q], vocabulary)
+            for k, (first, rest, wait_s) in enumerate(plan_p):
+                await conv.pause(k, pauses, first, speech[first], rest, speech[rest], wait_s)
+            for k, case in enumerate(plan_m):
+                await conv.remember(k, memory, case, speech[case.statement], speech[case.question])
             for k, (prompt, intr, wait_s) in enumerate(plan_b):
                 await conv.barge_in(k, barge_ins, prompt, speech[prompt], intr, speech[intr], wait_s)
         except asyncio.CancelledError:  # Ctrl-C: keep what was measured
@@ -236,6 +348,7 @@ async def run_bench(
     after = await asyncio.to_thread(fetch_stats, url)
 
     summary = _summary(conv.turns, conv.barge_ins)
+    summary.update(case_summary(conv.facts, conv.pauses, conv.memory))
     summary["leaked_frames_total"] = count_leaks(rx.log)
     summary["rtf"] = real_time_factors(before, after, mic.seconds_sent, rx.audio_seconds, wall_s)
     summary["client"] = {
@@ -247,6 +360,12 @@ async def run_bench(
             "url": url,
             "turns": turns,
             "barge_ins": barge_ins,
+            "facts": facts,
+            "pauses": pauses,
+            "memory": memory,
+            "pause_s": list(pause_s),
+            "voice": voice,
+            "voices": dict(getattr(synth, "voice_of", {})),
             "sample_rate": SR,
             "frame_ms": FRAME_SECONDS * 1000,
             "barge_wait_s": list(barge_wait_s),
@@ -262,7 +381,13 @@ async def run_bench(
             "clock": "client monotonic seconds (loop.time()); t_* fields are on this clock",
         },
         "summary": summary,
-        "samples": {"turns": conv.turns, "barge_ins": conv.barge_ins},
+        "samples": {
+            "turns": conv.turns,
+            "barge_ins": conv.barge_ins,
+            "facts": conv.facts,
+            "pauses": conv.pauses,
+            "memory": conv.memory,
+        },
         "server_stats": {"before": before, "after": after},
     }
     if out_dir is not None:

@@ -1,0 +1,270 @@
+"""What the conversation bench asks beyond speed (issue 21): factual questions scored by keywords,
+mid-sentence pauses, multi-turn memory; the scoring rules, and a run against the tone server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import numpy as np
+import pytest
+
+from duplex.base.config import load_profile
+from duplex.bench.common import FACTS_PATH, BenchError, Fact, MemoryCase, Rx, load_facts
+from duplex.bench.conversation import (
+    answer_started,
+    answer_tokens,
+    answer_vocabulary,
+    draft_wrong_keyword,
+    keywords_match,
+    memory_verdict,
+)
+from duplex.bench.report import format_table
+from duplex.bench.serve import run_bench
+from duplex.runtime.service import DuplexService
+from duplex.testing.fakes import VOCAB, fake_stages, fake_turn_stages, scripted_answer, tone_speech
+from duplex.transports.native import DuplexServer, ServerSettings
+
+# -- the keyword matcher -------------------------------------------------------------------
+
+
+def test_number_words_and_digits_are_the_same() -> None:
+    assert keywords_match("A spider has 8 legs.", [["eight", "8"]])
+    assert keywords_match("A spider has eight legs.", [["8"]])
+    assert keywords_match("There are twenty-four hours in a day.", [["24"]])
+    assert keywords_match("There are twenty four hours in a day.", [["twenty four"]])
+    assert keywords_match("A leap year has three hundred and sixty six days.", [["366"]])
+    assert keywords_match("It has 1,000 pages.", [["one thousand"]])
+    assert not keywords_match("Twenty-five hours.", [["24", "twenty four"]])
+    assert answer_tokens("Six times seven is forty-two!") == ["6", "times", "7", "is", "42"]
+
+
+def test_keywords_match_whole_words_only() -> None:
+    assert not keywords_match("I am bored.", [["red"]])
+    assert not keywords_match("Eighteen legs.", [["eight", "8"]])
+    assert not keywords_match("It is 18.", [["8"]])
+    assert keywords_match("RED, of course.", [["red"]])
+    assert keywords_match("The dog's bark.", [["dog"]])  # a possessive names the dog
+    assert keywords_match("Dogs bark.", [["dog", "dogs"]])
+
+
+def test_keywords_match_needs_every_group() -> None:
+    groups = [["carbon dioxide", "co2"], ["plants", "plant"]]
+    assert keywords_match("Plants take in carbon dioxide.", groups)
+    assert keywords_match("A plant breathes CO2.", groups)
+    assert not keywords_match("Plants take in carbon and dioxide.", groups)  # a phrase is consecutive
+    assert not keywords_match("Carbon dioxide.", groups)
+    assert keywords_match("anything", [])
+
+
+# -- memory and drafts -----------------------------------------------------------------------
+
+NAME = MemoryCase(
+    "My name is Anna.", "What is my name?", (("anna",),), r"\bmy name is\b|\bi(?: am|'m) anna\b"
+)
+
+
+def test_memory_verdict() -> None:
+    assert memory_verdict("Your name is Anna.", NAME) == (True, "")
+    assert memory_verdict("You told me you are Anna!", NAME) == (True, "")
+    ok, why = memory_verdict("My name is Anna.", NAME)
+    assert not ok and "role confusion" in why
+    ok, why = memory_verdict("I'm Anna, nice to meet you.", NAME)
+    assert not ok and "role confusion" in why
+    ok, why = memory_verdict("I don't know your name.", NAME)
+    assert not ok and why == "fact missing"
+    ok, why = memory_verdict("Anna.", NAME)
+    assert not ok and "your" in why
+    assert not memory_verdict("Your name is Annabel.", NAME)[0]  # whole words
+
+
+def test_draft_wrong_keyword() -> None:
+    facts = [
+        Fact("How many legs does a spider have?", (("eight", "8"),)),
+        Fact("Which planet is closest to the sun?", (("mercury",),)),
+        Fact("Which planet is the largest?", (("jupiter",),)),
+    ]
+    vocab = answer_vocabulary(facts)
+    assert draft_wrong_keyword("A spider has six", facts[0], vocab) == "6"
+    assert draft_wrong_keyword("A spider has", facts[0], vocab) is None
+    assert draft_wrong_keyword("Jupiter is the", facts[1], vocab) == "jupiter"
+    assert draft_wrong_keyword("The closest planet", facts[1], vocab) is None
+    assert draft_wrong_keyword("Mercury is", facts[1], vocab) is None
+
+
+def test_answer_started_ignores_the_service_backchannel() -> None:
+    log = [
+        Rx(0.0, {"type": "turn.decision", "decision": "listen"}),
+        Rx(0.1, {"type": "backchannel", "source": "service", "text": "Mm-hmm."}),
+        Rx(0.2, None, 0.04),
+        Rx(0.5, {"type": "response.audio.started", "turn_id": 1}),
+        Rx(0.6, None, 0.04),
+    ]
+    assert answer_started(log, 0, before=0.4) is None
+    assert answer_started(log, 0, before=0.55) == 3
+    assert answer_started([Rx(0.1, None, 0.04)], 0, before=0.4) == 0  # audio with no event first
+
+
+# -- the shipped question set --------------------------------------------------------------------
+
+
+def test_the_factual_question_set() -> None:
+    facts = load_facts()
+    assert len(facts) >= 60
+    assert len({f.q for f in facts}) == len(facts)
+    for f in facts:
+        assert f.q.endswith("?") and f.any and all(f.any), f
+        # each question's own keywords score as right, and a bare "I don't know" as wrong
+        assert keywords_match(" ".join(g[0] for g in f.any), f.any), f
+        assert not keywords_match("I do not know.", f.any), f
+    assert FACTS_PATH.name == "facts_eval.jsonl"
+
+
+def test_load_facts_names_a_bad_row(tmp_path) -> None:
+    path = tmp_path / "facts.jsonl"
+    path.write_text('{"q": "ok?", "any": [["yes"]]}\n{"question": "no"}\n')
+    with pytest.raises(BenchError, match=":2:"):
+        load_facts(path)
+
+
+def test_heldout_voice_without_its_engines_names_the_make_target(monkeypatch) -> None:
+    import asr.training.speakers as speakers
+    from duplex.bench.common import make_synth
+
+    monkeypatch.setattr(speakers, "available_engines", lambda: ("espeak", "hibari"))
+    with pytest.raises(BenchError, match="make asr-voices"):
+        make_synth("heldout")
+
+
+def test_case_options_default_off() -> None:
+    from duplex.bench.cli import add_case_arguments
+
+    p = argparse.ArgumentParser()
+    add_case_arguments(p)
+    args = p.parse_args([])
+    assert (args.facts, args.pauses, args.memory, args.voice, args.seed) == (0, 0, 0, "hibari", 0)
+    assert p.parse_args(["--voice", "heldout", "--facts", "60"]).facts == 60
+
+
+# -- against the tone server --------------------------------------------------------------------
+
+
+def tone_synth(text: str) -> np.ndarray:
+    words = [w for w in re.findall(r"[a-z]+", text.lower()) if w in VOCAB]
+    return tone_speech(" ".join(words) or "hello")
+
+
+def remembering(history: list[dict[str, str]]) -> str:
+    """scripted_answer, and "what am i" answered from what the user said before."""
+    if history[-1]["content"] == "what am i":
+        told = any(m["role"] == "user" and m["content"] == "i am a cat" for m in history[:-1])
+        return "you are a cat" if told else "i am fine thanks"
+    return scripted_answer(history)
+
+
+FACTS = [
+    Fact("What is the capital of France?", (("paris",),)),
+    Fact("What is two plus two?", (("four", "4"),)),
+    Fact("Hello, how are you?", (("eight", "8"),)),  # "i am fine thanks": wrong
+]
+MEMORY = [
+    MemoryCase("I am a cat.", "What am I?", (("cat",),), r"\bi am a cat\b"),
+    MemoryCase("I am fine.", "How am I?", (("fine",),), r"\bi am fine\b"),  # "i am fine thanks"
+]
+PAUSE = [("What is the capital of", "France?")]
+
+
+async def _serve(stages):
+    service = DuplexService(load_profile("cpu"), stages)
+    srv = DuplexServer(service, ServerSettings(host="127.0.0.1", port=0))
+    await srv.start()
+    return service, srv
+
+
+async def test_cases_against_the_tone_server(tmp_path) -> None:
+    """No turn head: silence alone ends the turn, so a 1.0-1.5 s mid-sentence pause is taken over."""
+    service, srv = await _serve(fake_stages(remembering))
+    lines: list[str] = []
+    try:
+        result = await run_bench(
+            f"ws://127.0.0.1:{srv.port}/v1/duplex",
+            turns=0,
+            barge_ins=0,
+            synth=tone_synth,
+            out_dir=tmp_path,
+            facts=3,
+            pauses=1,
+            memory=2,
+            fact_set=FACTS,
+            pause_pairs=PAUSE,
+            memory_cases=MEMORY,
+            progress=lines.append,
+        )
+    finally:
+        await srv.close()
+        service.close()
+    data = json.loads((tmp_path / "bench.json").read_text())
+    s = data["summary"]
+    assert s == json.loads(json.dumps(result["summary"]))
+    assert {f["q"] for f in data["samples"]["facts"]} == {f.q for f in FACTS}
+    assert (
+        s["facts"]["n"] == 3
+        and s["facts"]["correct"] == 2
+        and s["facts"]["rate"] == pytest.approx(2 / 3, abs=1e-3)
+    )
+    (wrong,) = s["facts"]["wrong"]
+    assert wrong["q"] == "Hello, how are you?" and wrong["answer"] == "i am fine thanks"
+    assert s["facts"]["failed"] == 0 and s["facts"]["draft_committed"] == 0
+    assert s["facts"]["wrong_with_committed_draft"] == 0 and s["facts"]["wrong_from_draft"] == 0
+
+    (case,) = data["samples"]["pauses"]
+    assert case["taken_over"] and 0 < case["taken_after_s"] < case["pause_s"]
+    assert case["recovered"] and case["answer"]
+    assert s["pause_takeover"] == {"n": 1, "taken": 1, "rate": 1.0, "recovered": 1}
+
+    assert s["memory"]["n"] == 2 and s["memory"]["correct"] == 1 and s["memory"]["rate"] == 0.5
+    (mwrong,) = s["memory"]["wrong"]
+    assert mwrong["question"] == "How am I?" and "role confusion" in mwrong["why"]
+    assert data["samples"]["memory"][0]["answer"] == "you are a cat"
+
+    # every answer is an onset sample of its kind; the classic kinds are untouched
+    kinds = [t["kind"] for t in data["samples"]["turns"]]
+    assert kinds == ["fact"] * 3 + ["pause"] + ["memory"] * 4
+    assert all(t["ok"] for t in data["samples"]["turns"]), data["samples"]["turns"]
+    assert s["onset_by_kind_s"]["fact"]["n"] == 3 and s["onset_by_kind_s"]["question"]["n"] == 0
+    assert data["settings"]["facts"] == 3 and data["settings"]["pause_s"] == [1.0, 1.5]
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = format_table(result)
+    assert "facts: 2/3 correct (67%)" in table
+    assert "pause takeover: 1/1" in table and "memory: 1/2 correct" in table
+    assert sum(line.startswith("[fact ") and "] WRONG" in line for line in lines) == 1
+
+
+async def test_a_turn_head_waits_through_the_pause(tmp_path) -> None:
+    """The scripted turn head hears "... capital of" as unfinished: the service waits, then answers
+    the whole sentence."""
+    service, srv = await _serve(fake_turn_stages(scripted_answer))
+    try:
+        result = await run_bench(
+            f"ws://127.0.0.1:{srv.port}/v1/duplex",
+            turns=0,
+            barge_ins=0,
+            synth=tone_synth,
+            out_dir=None,
+            pauses=1,
+            pause_pairs=PAUSE,
+            progress=None,
+        )
+    finally:
+        await srv.close()
+        service.close()
+    (case,) = result["samples"]["pauses"]
+    assert case["taken_over"] is False, case
+    assert any(d["decision"] == "listen" for d in case["decisions"]), case
+    assert case["transcript"] == "what is the capital of france"
+    assert case["answer"] == "paris is the capital of france"
+    assert result["summary"]["pause_takeover"] == {"n": 1, "taken": 0, "rate": 0.0, "recovered": 1}
+    # nothing asked, nothing reported
+    assert result["summary"]["facts"]["n"] == 0 and result["summary"]["memory"]["rate"] is None
+    assert "facts:" not in format_table(result)
