@@ -145,6 +145,11 @@ class TurnHeads(nn.Module):
         return self.turn(hidden), self.overlap(hidden)
 
 
+def heads_metadata_path(path: str | Path | None = None) -> Path:
+    """The JSON metadata beside the heads' weights (thresholds, calibration)."""
+    return (Path(path) if path is not None else DEFAULT_WEIGHTS).with_suffix(".json")
+
+
 def load_turn_heads(
     path: str | Path | None = None, hidden_size: int | None = None
 ) -> tuple[TurnHeads, TurnPolicy, dict[str, Any]]:
@@ -185,6 +190,7 @@ def load_turn_heads(
             backchannel_threshold=float(th["backchannel"]),
             interrupt_threshold=float(th["interrupt"]),
             take_threshold=float(th["take"]) if th.get("take") is not None else None,
+            fast_take_threshold=float(th["fast_take"]) if th.get("fast_take") is not None else None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelError(f"turn-taking heads: bad thresholds {th!r} in {meta_path}; {hint}") from exc

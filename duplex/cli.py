@@ -261,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --asr: also report whether the P90 batch step fits this budget (30 on a GPU)",
     )
     b.add_argument("--cpu", action="store_true", help="with --asr: stay on the CPU even if CUDA is available")
+    from duplex.bench.cli import add_case_arguments
+
+    add_case_arguments(b)
     b.set_defaults(func=_bench)
 
     e = sub.add_parser("eval", help="evaluate a part of the service on held-out data")
@@ -277,7 +280,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_asr_arguments(ea)
     ea.set_defaults(func=_eval_asr)
+    ee = esub.add_parser(
+        "eot", help="predictive end of turn: wait vs takeover by the turn head's confidence (a curve)"
+    )
+    from duplex.eval.eot import add_arguments as add_eval_eot_arguments
+
+    add_eval_eot_arguments(ee)
+    ee.set_defaults(func=_eval_eot)
     return p
+
+
+def _eval_eot(args: argparse.Namespace) -> int:
+    from duplex.eval.eot import run
+
+    return run(args)
 
 
 def _eval_asr(args: argparse.Namespace) -> int:

@@ -34,6 +34,10 @@ class SessionOptions:
     min_speech_ms: int = 96
     barge_in_min_speech_ms: int = 96
     end_of_turn_silence_ms: int = 500
+    #: predictive end of turn (learned turn-taking): a turn the turn head calls complete with
+    #: confidence (P(take) >= the heads' calibrated `fast_take` threshold) ends after this much
+    #: silence instead of `end_of_turn_silence_ms`; 0 turns it off
+    fast_turn_silence_ms: int = 200
     pre_roll_ms: int = 200
     partial_interval_ms: int = 500
     playout_lead_ms: int = 120
@@ -62,6 +66,7 @@ class SessionOptions:
     #: options a client may change with session.start / session.update
     CLIENT_SETTABLE = (
         "end_of_turn_silence_ms",
+        "fast_turn_silence_ms",
         "vad_threshold",
         "barge_in_min_speech_ms",
         "partial_interval_ms",

@@ -29,6 +29,20 @@ class TurnPolicy:
     backchannel_threshold: float = 0.5
     interrupt_threshold: float = 0.5
     take_threshold: float | None = None
+    #: predictive end of turn: a SPEAK with P(take) at or above this ends the turn after the short
+    #: hangover (`fast_turn_silence_ms`); calibrated by `duplex eval eot --write`; None: never
+    fast_take_threshold: float | None = None
+
+    @staticmethod
+    def p_take(probs: Sequence[float] | Any) -> float:
+        """P(the user has finished, for now) = 1 - P(listen)."""
+        return 1.0 - float(probs[0])
+
+    def confident_end(self, probs: Sequence[float] | Any) -> bool:
+        """The head is sure enough the turn is over to take it after the short hangover."""
+        if self.fast_take_threshold is None or self.decide_turn(probs) != SPEAK:
+            return False
+        return self.p_take(probs) >= self.fast_take_threshold
 
     def decide_turn(self, probs: Sequence[float] | Any) -> int:
         """LISTEN, BACKCHANNEL or SPEAK for one turn-head output (p_listen, p_backchannel, p_speak)."""

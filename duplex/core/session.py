@@ -384,7 +384,7 @@ class SessionCore:
         elif edge.kind == "resume":
             self._drop_speculation()
             if self.segment is not None:
-                self.segment.decision = None
+                self.segment.decision, self.segment.confident_end = None, False
                 if self.segment.overlap_class == "backchannel":
                     self.segment.overlap_class = None  # they went on: judge the whole thing again
         elif edge.kind == "end":
@@ -997,9 +997,10 @@ class SessionCore:
         )
         assert self.stages.policy is not None  # listen jobs run only with turn-taking
         if is_bare_cue(text):
-            seg.decision = "listen"
+            seg.decision, seg.confident_end = "listen", False
         else:
             seg.decision = LABELS[self.stages.policy.decide_turn(probs)]
+            seg.confident_end = self.stages.policy.confident_end(probs)
         self._emit(
             TurnDecision,
             turn_id=seg.turn_id,
@@ -1060,11 +1061,20 @@ class SessionCore:
             return
         if not self.endpointer.paused:
             return
-        o = self.options
-        wait_ms = o.end_of_turn_silence_ms if seg.decision == "speak" else o.backchannel_turn_silence_ms
-        if self.endpointer.run >= SR * wait_ms / 1000:
+        if self.endpointer.run >= SR * self._turn_wait_ms(seg) / 1000:
             for edge in self.endpointer.force_end():
                 self._on_edge(edge)
+
+    def _turn_wait_ms(self, seg: Segment) -> int:
+        """Silence after the last word before a turn the head judged over is taken (predictive end
+        of turn): short when the head is confident, the usual hangover when it is less so, longer at
+        a backchannel point (they may go on). `duplex eval eot` draws the trade-off."""
+        o = self.options
+        if seg.decision == "backchannel":
+            return o.backchannel_turn_silence_ms
+        if seg.confident_end and 0 < o.fast_turn_silence_ms < o.end_of_turn_silence_ms:
+            return o.fast_turn_silence_ms
+        return o.end_of_turn_silence_ms
 
     def _maybe_backchannel(self, seg: Segment) -> None:
         o = self.options

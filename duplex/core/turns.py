@@ -52,6 +52,7 @@ class Segment:
     # learned turn-taking
     listened: str = ""  # the text last given to the turn head
     decision: str | None = None  # at the current pause: "speak", "listen", "backchannel"
+    confident_end: bool = False  # ... and the turn head is sure it is over (predictive end of turn)
     overlap: bool = False  # started while the service was speaking
     overlap_class: str | None = None  # "backchannel", "interruption" or "noise" (no word in it), once known
 

@@ -234,3 +234,74 @@ def test_the_take_rule_in_the_session_core():
     )
     result = replay(core, core.clock, np.concatenate([silence(0.5), speech, silence(3.0)]), COSTS)
     assert result.events("turn.decision")[-1].decision == "listen"
+
+
+FAST_COSTS = {**COSTS, "llm.first": 0.05}  # the answer is ready before either hangover ends
+
+
+def _first_audio_after_speech(policy: TurnPolicy, head, text: str, pause_s: float = 3.0, **options):
+    """(seconds from the end of the speech to the first answer frame, the replay result)."""
+    profile = load_profile("cpu")
+    stages = dataclasses.replace(fake_turn_stages(scripted_answer, turn_fn=head), policy=policy)
+    clock = FakeClock()
+    options = dataclasses.replace(profile.session, **options)
+    core = SessionCore("s1", profile, stages, clock, options=options)
+    speech = tone_speech(text)
+    result = replay(core, clock, np.concatenate([silence(0.5), speech, silence(pause_s)]), FAST_COSTS)
+    frames = result.audio_frames()
+    return (frames[0].t - (0.5 + len(speech) / SR) if frames else None), result
+
+
+def test_predictive_end_of_turn_answers_a_confident_complete_turn_sooner():
+    def head(text: str) -> tuple[float, float, float]:
+        last = text.split()[-1]
+        if last == "france":
+            return (0.02, 0.03, 0.95)  # sure it is over
+        if last == "four":
+            return (0.30, 0.05, 0.65)  # over, less sure
+        return (0.9, 0.05, 0.05)
+
+    policy = TurnPolicy(
+        speak_threshold=0.5, backchannel_threshold=0.7, take_threshold=0.6, fast_take_threshold=0.9
+    )
+    fixed = dataclasses.replace(policy, fast_take_threshold=None)
+    sure_fast, r = _first_audio_after_speech(policy, head, "what is the capital of france")
+    sure_fixed, _ = _first_audio_after_speech(fixed, head, "what is the capital of france")
+    assert r.events("response.done")[0].text == "paris is the capital of france"
+    # the 200 ms hangover instead of the 500 ms one: ~300 ms sooner, on the same head output
+    assert 0.2 < sure_fixed - sure_fast < 0.4
+    # a less confident "complete" keeps the usual hangover
+    unsure_fast, _ = _first_audio_after_speech(policy, head, "what is two plus four")
+    unsure_fixed, _ = _first_audio_after_speech(fixed, head, "what is two plus four")
+    assert abs(unsure_fast - unsure_fixed) < 0.05
+    assert unsure_fast - sure_fast > 0.2
+    # a client can switch it off for its session
+    off, _ = _first_audio_after_speech(policy, head, "what is the capital of france", fast_turn_silence_ms=0)
+    assert abs(off - sure_fixed) < 0.05
+
+
+def test_predictive_end_of_turn_never_shortens_a_mid_sentence_pause():
+    # the head is sure "what is the capital of" goes on: the 1.3 s pause is not taken over
+    def head(text: str) -> tuple[float, float, float]:
+        return (0.02, 0.03, 0.95) if text.split()[-1] == "france" else (0.97, 0.02, 0.01)
+
+    policy = TurnPolicy(0.5, 0.7, 0.5, take_threshold=0.6, fast_take_threshold=0.9)
+    profile = load_profile("cpu")
+    stages = dataclasses.replace(fake_turn_stages(scripted_answer, turn_fn=head), policy=policy)
+    clock = FakeClock()
+    core = SessionCore("s1", profile, stages, clock, options=profile.session)
+    audio = np.concatenate(
+        [silence(0.5), tone_speech("what is the capital of"), silence(1.3), tone_speech("france"), silence(3)]
+    )
+    result = replay(core, clock, audio, COSTS)
+    assert [e.text for e in result.events("transcript.final")] == ["what is the capital of france"]
+    assert len(result.events("response.started")) == 1
+
+
+def test_confident_end_rule():
+    policy = TurnPolicy(0.5, 0.7, 0.5, take_threshold=0.6, fast_take_threshold=0.9)
+    assert policy.confident_end((0.05, 0.05, 0.90))
+    assert not policy.confident_end((0.15, 0.05, 0.80))  # speak, not sure enough
+    assert not policy.confident_end((0.05, 0.60, 0.35))  # a backchannel point waits longer
+    assert not policy.confident_end((0.70, 0.10, 0.20))  # listen
+    assert not TurnPolicy(0.5, 0.7, 0.5, take_threshold=0.6).confident_end((0.0, 0.0, 1.0))  # uncalibrated

@@ -1,0 +1,332 @@
+"""`duplex eval eot`: predictive end of turn. How long the service waits after the user stops is
+chosen per turn from the turn head's confidence; this measures what each choice costs.
+
+The session core waits, after the user's last word (`duplex.core.session._turn_wait_ms`):
+- `fast_turn_silence_ms` (≈ 200 ms) when the turn head says SPEAK and P(take) = 1 - P(listen) is at
+  least the policy's `fast_take_threshold` (a confident "complete");
+- `end_of_turn_silence_ms` (500 ms) for a less confident SPEAK;
+- `backchannel_turn_silence_ms` (1 s) at a backchannel point, `incomplete_turn_silence_ms` (2 s) when
+  the head says LISTEN (a mid-sentence pause: it waits for more words).
+
+On held-out turns (`data/dialogue/turn_eval.jsonl`: complete turns and the same sentences cut
+mid-way), as text and spoken in voices the project never trained on (`heldout_natural_speakers`:
+flite `slt` and a Kokoro blend) then transcribed by the profile's ASR, the turn head's probabilities
+are collected once; the sweep over `fast_take_threshold` then costs nothing. For each threshold:
+- **wait on complete turns** (P50/P90/mean, ms): the part of the answer's onset that is waiting;
+- **takeover at hesitations** (a cut followed by a 0.3-0.5 s pause: taken over if the wait is
+  shorter): the new risk a short wait brings;
+- **takeover at pauses** of 1-1.5 s (the issue's mid-sentence pauses; uniform in that range).
+The operating point is the lowest threshold (most turns fast) whose takeover at hesitations stays
+within `--max-hesitation-takeover` on text (n ≈ 490 cuts) and `--max-hesitation-takeover-speech`
+on speech (n = 60 cuts by default: one cut is 1.7 points); `--write` stores it in the turn heads'
+metadata (`thresholds.fast_take`), where `load_turn_heads` reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from duplex.base.paths import DATA_ROOT
+from duplex.base.turn_policy import BACKCHANNEL, LISTEN, SPEAK, TurnPolicy
+
+DATA = DATA_ROOT / "dialogue"
+HESITATION_S = (0.3, 0.5)
+PAUSE_S = (1.0, 1.5)
+GRID = tuple(round(x, 3) for x in np.arange(0.50, 1.0001, 0.01))
+
+
+@dataclass(frozen=True)
+class Waits:
+    """The session's waits in ms (SessionOptions' defaults)."""
+
+    fast: int = 200
+    speak: int = 500
+    backchannel: int = 1000
+    listen: int = 2000
+
+
+def wait_ms(policy: TurnPolicy, probs: Sequence[float], waits: Waits, fast_take: float | None) -> int:
+    """The silence the session waits before taking the turn, for one turn-head output."""
+    d = policy.decide_turn(probs)
+    if d == LISTEN:
+        return waits.listen
+    if d == BACKCHANNEL:
+        return waits.backchannel
+    assert d == SPEAK
+    if fast_take is not None and policy.p_take(probs) >= fast_take:
+        return waits.fast
+    return waits.speak
+
+
+def _taken(waits_ms: np.ndarray, pause_s: tuple[float, float]) -> float:
+    """Share of pauses (uniform in `pause_s`) that a wait shorter than the pause takes over."""
+    lo, hi = (1000 * p for p in pause_s)
+    frac = np.clip((hi - waits_ms) / (hi - lo), 0.0, 1.0)  # P(pause > wait)
+    return float(frac.mean()) if len(waits_ms) else float("nan")
+
+
+def sweep(
+    rows: list[dict[str, Any]], policy: TurnPolicy, waits: Waits, grid: Sequence[float] = GRID
+) -> list[dict[str, Any]]:
+    """One point per `fast_take_threshold` (None first: today's fixed hangover)."""
+    complete = [r["probs"] for r in rows if r["label"] == SPEAK]
+    cut = [r["probs"] for r in rows if r["label"] == LISTEN]
+    out = []
+    for thr in (None, *grid):
+        wc = np.array([wait_ms(policy, p, waits, thr) for p in complete], dtype=float)
+        wx = np.array([wait_ms(policy, p, waits, thr) for p in cut], dtype=float)
+        out.append(
+            {
+                "fast_take": thr,
+                "n_complete": len(wc),
+                "n_cut": len(wx),
+                "wait_p50_ms": float(np.percentile(wc, 50)) if len(wc) else float("nan"),
+                "wait_p90_ms": float(np.percentile(wc, 90)) if len(wc) else float("nan"),
+                "wait_mean_ms": float(wc.mean()) if len(wc) else float("nan"),
+                "fast_share": float((wc == waits.fast).mean()) if len(wc) else float("nan"),
+                "hesitation_takeover": _taken(wx, HESITATION_S),
+                "pause_takeover": _taken(wx, PAUSE_S),
+            }
+        )
+    return out
+
+
+def choose(curves: dict[str, list[dict[str, Any]]], limits: dict[str, float]) -> float | None:
+    """The lowest threshold whose takeover at hesitations stays within each set's limit. (Takeover
+    at 1-1.5 s pauses does not depend on the threshold: both waits are shorter than such a pause.)"""
+    first = next(iter(curves.values()))
+    for i, point in enumerate(first):
+        thr = point["fast_take"]
+        if thr is None:
+            continue
+        if all(c[i]["hesitation_takeover"] <= limits.get(name, 1.0) for name, c in curves.items()):
+            return float(thr)
+    return None
+
+
+# -- collecting the turn head's outputs ----------------------------------------------------------
+
+
+def text_rows(stage: Any, examples: list[dict[str, Any]], progress: bool) -> list[dict[str, Any]]:
+    from tqdm.auto import tqdm
+
+    from duplex.base.messages import ListenStep
+
+    rows = []
+    for ex in tqdm(examples, desc="turn head (text)", disable=not progress):
+        out, _ = stage.step(stage.init_state(), ListenStep(list(ex.get("history") or []), ex["text"], False))
+        rows.append(_row(ex, ex["text"], "text", out.probs))
+    return rows
+
+
+def speech_rows(
+    stage: Any, asr: Any, examples: list[dict[str, Any]], n: int, seed: int, progress: bool
+) -> list[dict[str, Any]]:
+    """n turns (half complete, half cut) spoken by the held-out voices in turn, then transcribed."""
+    from tqdm.auto import tqdm
+
+    from asr.training.speakers import Synth, heldout_natural_speakers
+    from duplex.base.messages import AsrChunk, ListenStep
+
+    rng = random.Random(seed)
+    chosen: list[dict[str, Any]] = []
+    for lab in (LISTEN, SPEAK):
+        pool = [e for e in examples if int(e["label"]) == lab]
+        rng.shuffle(pool)
+        chosen += pool[: n // 2]
+    speakers = heldout_natural_speakers()
+    synth, nprng = Synth(), np.random.default_rng(seed)
+    rows = []
+    for i, ex in enumerate(tqdm(chosen, desc="turn head (speech)", disable=not progress)):
+        speaker = speakers[i % len(speakers)]
+        try:
+            audio = synth.render(ex["text"], speaker, nprng).audio.astype(np.float32)
+        except Exception as exc:  # an engine that is not installed: say which, once
+            raise SystemExit(
+                f"eval eot: cannot speak with {speaker.name} ({exc}); try `make asr-voices`"
+            ) from None
+        res, _ = asr.step(asr.init_state(), AsrChunk(samples=audio, transcribe=True, final=True))
+        heard = str(res.text or "").strip()
+        out, _ = stage.step(stage.init_state(), ListenStep(list(ex.get("history") or []), heard, False))
+        rows.append(_row(ex, heard, speaker.name, out.probs))
+    return rows
+
+
+def _row(ex: dict[str, Any], heard: str, voice: str, probs: Sequence[float]) -> dict[str, Any]:
+    return {
+        "text": ex["text"],
+        "heard": heard,
+        "voice": voice,
+        "label": int(ex["label"]),
+        "kind": ex["kind"],
+        "source": ex.get("source", ""),
+        "probs": [round(float(p), 5) for p in probs],
+    }
+
+
+# -- report and plot ----------------------------------------------------------------------------
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = [f"predictive end of turn ({results['date']}, take threshold {results['take_threshold']})"]
+    chosen = results.get("chosen")
+    for name, curve in results["curves"].items():
+        base = curve[0]
+        lines.append(f"  {name}: n complete {base['n_complete']}, n cut {base['n_cut']}")
+        for p in curve:
+            thr = p["fast_take"]
+            if thr is None or thr == chosen or round(thr * 100) % 10 == 0 or thr >= 0.9:
+                label = "fixed" if p["fast_take"] is None else f"{p['fast_take']:.2f}"
+                mark = "  <- chosen" if chosen is not None and p["fast_take"] == chosen else ""
+                lines.append(
+                    f"    {label:>6}: wait P50 {p['wait_p50_ms']:4.0f} ms P90 {p['wait_p90_ms']:5.0f} ms, "
+                    f"fast {100 * p['fast_share']:5.1f} %, takeover at hesitations "
+                    f"{100 * p['hesitation_takeover']:4.1f} %, at 1-1.5 s pauses {100 * p['pause_takeover']:4.1f} %"
+                    f"{mark}"
+                )
+    limits = ", ".join(f"{k} <= {100 * v:.0f} %" for k, v in results["limits"].items())
+    lines.append(f"  chosen fast_take threshold: {chosen} (lowest with takeover at hesitations {limits})")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, curve in results["curves"].items():
+        pts = [p for p in curve if p["fast_take"] is not None]
+        ax[0].plot(
+            [p["wait_mean_ms"] for p in pts], [100 * p["hesitation_takeover"] for p in pts], ".-", label=name
+        )
+        ax[1].plot([p["fast_take"] for p in pts], [p["wait_p50_ms"] for p in pts], ".-", label=f"{name} P50")
+        ax[1].plot([p["fast_take"] for p in pts], [p["wait_p90_ms"] for p in pts], ":", label=f"{name} P90")
+        fixed = curve[0]
+        ax[0].plot([fixed["wait_mean_ms"]], [100 * fixed["hesitation_takeover"]], "x", color="k")
+    if results.get("chosen") is not None:
+        ax[1].axvline(results["chosen"], color="k", lw=0.8, ls="--", label="chosen")
+    ax[0].set_xlabel("mean wait on complete turns (ms)")
+    ax[0].set_ylabel("takeover at 0.3-0.5 s hesitations (%)")
+    ax[0].set_title("latency vs false takeover (x: fixed 500 ms)")
+    ax[1].set_xlabel("fast_take threshold on P(take)")
+    ax[1].set_ylabel("wait on complete turns (ms)")
+    ax[1].set_title("wait by threshold")
+    for a in ax:
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- command -------------------------------------------------------------------------------------
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--profile", default=None, help="models.yaml profile (default: the file's default)")
+    ap.add_argument("--speech", type=int, default=120, help="held-out turns spoken and transcribed (0 skips)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-hesitation-takeover", type=float, default=0.01, help="on held-out text")
+    ap.add_argument("--max-hesitation-takeover-speech", type=float, default=0.05, help="on held-out speech")
+    ap.add_argument("--out", default="eval-out", help="folder for eot.json and eot.png")
+    ap.add_argument(
+        "--rows", default=None, metavar="JSON", help="reuse the turn-head outputs of an earlier eot.json"
+    )
+    ap.add_argument(
+        "--write", action="store_true", help="store the chosen threshold in the turn heads' metadata"
+    )
+    ap.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dialogue.turn_taking import heads_metadata_path
+
+    progress = not args.no_progress
+    if args.rows:
+        rows = json.loads(Path(args.rows).read_text())["rows"]
+        policy = _policy_of(None)
+    else:
+        rows, policy = _collect(args, progress)
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "take_threshold": policy.take_threshold,
+        "limits": {"text": args.max_hesitation_takeover, "speech": args.max_hesitation_takeover_speech},
+        "waits_ms": vars(Waits()),
+        "curves": {},
+    }
+    for name in ("text", "speech"):
+        subset = [r for r in rows if (r["voice"] == "text") == (name == "text")]
+        if subset:
+            results["curves"][name] = sweep(subset, policy, Waits())
+    results["chosen"] = choose(results["curves"], results["limits"])
+    results["rows"] = rows
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eot.json").write_text(json.dumps(results, indent=1))
+    plot(results, out / "eot.png")
+    print(report(results))
+    print(f"wrote {out / 'eot.json'} and {out / 'eot.png'}")
+    if args.write:
+        if results["chosen"] is None:
+            raise SystemExit("eval eot: no threshold meets the limits; nothing written")
+        path = heads_metadata_path()
+        meta = json.loads(path.read_text())
+        meta["thresholds"]["fast_take"] = results["chosen"]
+        meta.setdefault("calibration", {})["fast_take"] = {
+            "command": "duplex eval eot --write",
+            "date": results["date"],
+            "limits": results["limits"],
+            "at_chosen": {
+                name: next(p for p in c if p["fast_take"] == results["chosen"])
+                for name, c in results["curves"].items()
+            },
+        }
+        path.write_text(json.dumps(meta, indent=1) + "\n")
+        print(f"wrote fast_take {results['chosen']} into {path}")
+    return 0
+
+
+def _policy_of(stage: Any) -> TurnPolicy:
+    if stage is not None:
+        return stage.policy  # type: ignore[no-any-return]
+    from dialogue.turn_taking import heads_metadata_path
+
+    th = json.loads(heads_metadata_path().read_text())["thresholds"]
+    return TurnPolicy(float(th["speak"]), float(th["backchannel"]), float(th["interrupt"]), th.get("take"))
+
+
+def _collect(args: argparse.Namespace, progress: bool) -> tuple[list[dict[str, Any]], TurnPolicy]:
+    import torch
+
+    from asr.moonshine import load_asr_stage
+    from dialogue.engine import load_dialogue_stage
+    from duplex.base.config import load_profile
+
+    torch.manual_seed(args.seed)
+    profile = load_profile(args.profile)
+    drafter = profile.components.get("drafter")
+    if drafter is None:
+        raise SystemExit(f"eval eot: profile {profile.name!r} has no drafter (no turn head to calibrate)")
+    stage = load_dialogue_stage(profile.component("llm"), drafter, progress=progress)
+    lines = (DATA / "turn_eval.jsonl").read_text().splitlines()
+    examples = [
+        e
+        for e in (json.loads(line) for line in lines if line.strip())
+        if e.get("head", "turn") == "turn" and int(e["label"]) in (LISTEN, SPEAK)
+    ]
+    rows = text_rows(stage, examples, progress)
+    if args.speech:
+        asr = load_asr_stage(profile.component("asr"))
+        rows += speech_rows(stage, asr, examples, args.speech, args.seed, progress)
+    return rows, _policy_of(stage)

@@ -1,0 +1,50 @@
+"""The predictive end-of-turn calibration: waits, the takeover model and the choice of threshold."""
+
+from __future__ import annotations
+
+import math
+
+from duplex.base.turn_policy import TurnPolicy
+from duplex.eval.eot import Waits, choose, sweep, wait_ms
+
+POLICY = TurnPolicy(0.5, 0.7, 0.5, take_threshold=0.6)
+
+
+def test_wait_follows_the_session_rule():
+    w = Waits()
+    assert wait_ms(POLICY, (0.02, 0.03, 0.95), w, 0.9) == w.fast
+    assert wait_ms(POLICY, (0.2, 0.05, 0.75), w, 0.9) == w.speak  # speak, less sure
+    assert wait_ms(POLICY, (0.02, 0.03, 0.95), w, None) == w.speak  # uncalibrated: the fixed hangover
+    assert wait_ms(POLICY, (0.05, 0.6, 0.35), w, 0.9) == w.backchannel
+    assert wait_ms(POLICY, (0.8, 0.1, 0.1), w, 0.9) == w.listen
+
+
+def _rows():
+    complete = [{"label": 2, "probs": (0.01, 0.01, 0.98)}] * 6 + [{"label": 2, "probs": (0.3, 0.0, 0.7)}] * 4
+    # cuts: 8 the head knows go on, one it is sure is over, one it half thinks is over
+    cut = (
+        [{"label": 0, "probs": (0.9, 0.05, 0.05)}] * 8
+        + [{"label": 0, "probs": (0.02, 0.0, 0.98)}]
+        + [{"label": 0, "probs": (0.3, 0.0, 0.7)}]
+    )
+    return complete + cut
+
+
+def test_sweep_counts_the_waits_and_the_takeovers():
+    curve = sweep(_rows(), POLICY, Waits(), grid=(0.9, 0.995))
+    fixed, at90, at995 = curve
+    assert fixed["fast_take"] is None and fixed["fast_share"] == 0 and fixed["wait_p50_ms"] == 500
+    # every wait is shorter than a 1-1.5 s pause: the two cuts the head takes are taken over anyway
+    assert all(math.isclose(p["pause_takeover"], 0.2) for p in curve)
+    # a 500 ms wait never takes a 0.3-0.5 s hesitation; a 200 ms one does (the sure cut)
+    assert fixed["hesitation_takeover"] == 0
+    assert math.isclose(at90["hesitation_takeover"], 0.1) and math.isclose(at90["fast_share"], 0.6)
+    assert at90["wait_p50_ms"] == 200 and at995["hesitation_takeover"] == 0 and at995["fast_share"] == 0
+
+
+def test_choose_takes_the_lowest_threshold_within_every_limit():
+    curves = {"text": sweep(_rows(), POLICY, Waits(), grid=(0.9, 0.995))}
+    assert choose(curves, {"text": 0.15}) == 0.9
+    assert choose(curves, {"text": 0.05}) == 0.995
+    curves["speech"] = curves["text"]
+    assert choose(curves, {"text": 0.15, "speech": 0.05}) == 0.995
