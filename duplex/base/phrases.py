@@ -20,6 +20,16 @@ ABBREVIATIONS = frozenset(
     {"mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "vs", "mt", "approx", "dept", "fig"}
 )
 
+#: words that open a phrase (prepositions, determiners, conjunctions, auxiliaries): a phrase cut for
+#: length is moved back to before the last of them, so "The sky on | a clear day" is spoken
+#: "The sky | on a clear day" and the join falls where a speaker would breathe, not inside a phrase
+PHRASE_OPENERS = frozenset(
+    """of in on at to for with from by about into over after before under between through during
+    without than like the a an this that these those my your his her its our their some any each
+    every and but or nor so because if when while which who whom whose where is are was were be
+    been has have had will would can could should may might must do does did""".split()
+)
+
 # markdown the LLM may emit despite the prompt: emphasis and headings are dropped, `_` becomes a space
 _MARKDOWN = str.maketrans({"*": None, "#": None, "`": None, "~": None, "•": None, "_": " "})
 _TOKEN = re.compile(r"(\S+)(\s)")
@@ -88,12 +98,23 @@ class PhraseSegmenter:
         if emitted == 0:
             limit = min(limit, self.first_phrase_words)
         words = 0
+        ends: list[int] = []  # end index of each word so far
+        opens: list[bool] = []  # whether each word opens a phrase
         for m in _TOKEN.finditer(text):
             token = m.group(1)
             if _ALNUM.search(token):
                 words += 1
+                ends.append(m.end(1))
+                opens.append(token.strip(_OPENERS + _CLOSERS).lower() in PHRASE_OPENERS)
             # a phrase with no word (a stray "..." or "-") waits for the next word
-            if words and (words >= limit or _ends_phrase(token) or m.group(2) == "\n"):
+            if words and (_ends_phrase(token) or m.group(2) == "\n"):
+                return m.end(1)
+            if words and words >= limit:
+                # cut for length: before the last phrase opener in the second half (two words
+                # at least before it), if any
+                for k in range(words - 1, max(2, words // 2) - 1, -1):
+                    if opens[k]:
+                        return ends[k - 1]
                 return m.end(1)
         return None
 

@@ -77,16 +77,23 @@ def test_phrases_do_not_depend_on_how_text_is_split(text: str) -> None:
 
 def test_phrase_rules() -> None:
     seg = PhraseSegmenter(first_phrase_words=3, max_phrase_words=12)
+    # a phrase cut for length ends before its last phrase opener ("of"), not inside the phrase
     assert segment(seg, [TEXTS[0]]) == [
-        "The capital of",
-        "France is Paris.",
+        "The capital",
+        "of France is Paris.",
         "It is a beautiful city,",
         "with many museums and cafés!",
     ]
     assert segment(seg, ["Yes, of course it is."]) == ["Yes,", "of course it is."]  # clause punctuation first
     long = " ".join(f"w{i}" for i in range(30)) + "."
     phrases = segment(seg, [long])
-    assert [len(p.split()) for p in phrases] == [3, 12, 12, 3]
+    assert [len(p.split()) for p in phrases] == [3, 12, 12, 3]  # no opener: cut at the limit
+    assert segment(seg, ["The sky on a clear day is blue and the sea is green and very deep today."]) == [
+        "The sky",
+        "on a clear day is blue and the sea is green",
+        "and very deep today.",
+    ]
+    assert segment(seg, ["Once the ship sank."]) == ["Once the ship", "sank."]  # two words before a cut
     assert segment(seg, ["Dr. Smith lives in the U.S. now. J. K. Rowling too."]) == [
         "Dr. Smith lives",
         "in the U.S. now.",
@@ -103,8 +110,9 @@ def test_first_phrase_after_three_words() -> None:
     for d in ["The", " capital", " of", " France", " is"]:
         out, state = seg.step(state, d)
         got.append(out)
-    # "of" is complete only when the space before "France" arrives: "of" could have been "often"
-    assert got == [[], [], [], ["The capital of"], []]
+    # "of" is complete only when the space before "France" arrives: "of" could have been "often";
+    # then the phrase is cut before it, where the phrase "of France" starts
+    assert got == [[], [], [], ["The capital"], []]
 
 
 @pytest.fixture(scope="module")
