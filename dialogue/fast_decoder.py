@@ -18,6 +18,13 @@ runs the same arithmetic with the model's own weights in a plain loop:
 The result equals `model.model(...).last_hidden_state` exactly on the models it accepts
 (`tests/dialogue/test_fast_decoder.py`); `FastDecoder.supports(model)` says which: Llama and Qwen2 with SiLU
 MLPs, full attention and no tensor-parallel split. Anything else uses the `transformers` forward.
+
+`forward_batch` runs several sessions' caches in one pass (issue 22): a decode step reads every weight
+matrix once for all of them instead of once per session, which is what a memory-bound CPU decode pays
+for. The rows of all sessions are packed (no padding through the products); attention runs per
+session in a decode step and pads and masks the ragged caches for multi-token feeds. One caveat: a dynamic int8 product quantises its input with one
+scale per call, so packed rows share that scale and a row's numbers then depend (at int8 rounding)
+on the other rows; `per_session_quant=True` runs those products once per session instead.
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["FastDecoder", "unsupported_reason"]
+__all__ = ["FastDecoder", "shares_activation_scale", "unsupported_reason"]
 
 _FAMILIES = ("llama", "qwen2")
 _ATTR = "_duplex_fast_decoder"
@@ -59,6 +67,13 @@ def unsupported_reason(model: Any) -> str | None:
 def _is_dynamic_int8(mod: nn.Module) -> bool:
     packed = getattr(mod, "_packed_params", None)
     return packed is not None and getattr(packed, "dtype", None) == torch.qint8
+
+
+def shares_activation_scale(mod: nn.Module) -> bool:
+    """Whether `mod` quantises its whole input with one scale (dynamic int8), so rows of a batch interact."""
+    if isinstance(mod, FusedPart):
+        mod = mod.fused
+    return _is_dynamic_int8(mod)
 
 
 def _linear_fn(mod: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -173,6 +188,18 @@ class _Layer:
     o: Linear
     gate_up: Split
     down: Linear
+    #: per product: whether it quantises its input per tensor (rows of a batch share that scale)
+    joint: dict[str, bool]
+
+
+def _by_group(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, groups: list[int] | None) -> Any:
+    """`fn(x)`, or `fn` once per group of rows (a tuple result is concatenated part by part)."""
+    if groups is None:
+        return fn(x)
+    parts = [fn(p) for p in x.split(groups)]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(z) for z in zip(*parts, strict=True))
+    return torch.cat(parts)
 
 
 class FastDecoder:
@@ -193,14 +220,23 @@ class FastDecoder:
         self.layers: list[_Layer] = []
         for layer in self.inner.layers:
             a, mlp = layer.self_attn, layer.mlp
+            qkv = _products(a, ("q_proj", "k_proj", "v_proj"))
+            gate_up = _products(mlp, ("gate_proj", "up_proj"))
+            joint = {
+                "qkv": any(shares_activation_scale(getattr(a, n)) for n in ("q_proj", "k_proj", "v_proj")),
+                "o": shares_activation_scale(a.o_proj),
+                "gate_up": any(shares_activation_scale(getattr(mlp, n)) for n in ("gate_proj", "up_proj")),
+                "down": shares_activation_scale(mlp.down_proj),
+            }
             self.layers.append(
                 _Layer(
                     in_norm=layer.input_layernorm.weight,
                     post_norm=layer.post_attention_layernorm.weight,
-                    qkv=_products(a, ("q_proj", "k_proj", "v_proj")),
+                    qkv=qkv,
                     o=_linear_fn(a.o_proj),
-                    gate_up=_products(mlp, ("gate_proj", "up_proj")),
+                    gate_up=gate_up,
                     down=_linear_fn(mlp.down_proj),
+                    joint=joint,
                 )
             )
         self.final_norm = self.inner.norm.weight
@@ -257,6 +293,100 @@ class FastDecoder:
             g, u = ly.gate_up(h)
             x = x + ly.down(F.silu(g) * u)
         return self._norm(x, self.final_norm, self.final_eps)
+
+    def forward_batch(
+        self,
+        caches: Sequence[Any],
+        ids: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        *,
+        per_session_quant: bool = False,
+    ) -> list[torch.Tensor]:
+        """`forward` for several sessions in one pass: session b runs `ids[b]` at positions
+        starts[b].. after `caches[b]` (each extended in place, as `forward` would). Returns, per
+        session, its final-norm hidden states [1, len(ids[b]), hidden].
+
+        The caches may hold different lengths and the sessions feed different numbers of tokens.
+        Products run on the packed rows (sum of the lengths, no padding). Attention of a decode step
+        (one token per session) runs per session over its own cache; otherwise it pads the keys and
+        values to the longest cache and the queries to the longest feed, and a mask keeps each row
+        to its own session's keys up to its own position, so padding never reaches a result.
+        `per_session_quant` runs the dynamic int8 products once per session, so that no session's
+        activation scale depends on the others (see the module docstring); float products are
+        row-independent either way.
+        """
+        b = len(caches)
+        if b == 0 or len(ids) != b or len(starts) != b:
+            raise ValueError(
+                f"forward_batch: {len(caches)} caches, {len(ids)} id lists, {len(starts)} starts"
+            )
+        lens = [len(t) for t in ids]
+        if min(lens) < 1:
+            raise ValueError("forward_batch: every session needs at least one token")
+        device = self.final_norm.device
+        flat = torch.tensor([int(t) for seq in ids for t in seq], dtype=torch.long, device=device)
+        x = self.inner.embed_tokens(flat)  # [N, H]: every session's rows, packed
+        n = x.shape[0]
+        positions = torch.cat(
+            [torch.arange(s, s + k, device=device) for s, k in zip(starts, lens, strict=True)]
+        )
+        cos, sin = self.inner.rotary_emb(x[None], positions[None])
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, head_dim]: broadcast over heads
+        t_max = max(lens)
+        s_max = max(int(s) + k for s, k in zip(starts, lens, strict=True))
+        decode = t_max == 1
+        starts_t = torch.tensor([int(s) for s in starts], device=device)
+        lens_t = torch.tensor(lens, device=device)
+        mask = None
+        if not decode:
+            # query t of session b sees keys 0..starts[b] + t; a padding query (t >= lens[b]) copies
+            # the session's last real query, so no row is fully masked (that would give NaN)
+            t_idx = torch.arange(t_max, device=device)
+            last = starts_t[:, None] + torch.minimum(t_idx[None], lens_t[:, None] - 1)  # [B, T]
+            mask = (torch.arange(s_max, device=device)[None, None] <= last[:, :, None])[:, None]
+        valid = None if decode else (torch.arange(t_max, device=device)[None] < lens_t[:, None]).reshape(-1)
+        groups = lens if per_session_quant and b > 1 else None
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        for i, ly in enumerate(self.layers):
+            h = self._norm(x, ly.in_norm, self.eps)
+            q, k, v = _by_group(ly.qkv, h, groups if ly.joint["qkv"] else None)
+            q = self._rope(q.view(n, nh, hd), cos, sin)
+            k = self._rope(k.view(n, nkv, hd), cos, sin)
+            v = v.view(n, nkv, hd)
+            if decode:
+                # one query per session: attend each over its own cache as it stands, with no
+                # padded copy of every cache and no mask (measured ~15-25 % faster per step than
+                # the padded path at 4 sessions, and the very call `forward` makes)
+                outs = []
+                for bi, c in enumerate(caches):
+                    keys, values = c.layers[i].update(k[bi].view(1, nkv, 1, hd), v[bi].view(1, nkv, 1, hd))
+                    outs.append(
+                        F.scaled_dot_product_attention(
+                            q[bi].view(1, nh, 1, hd), keys, values, scale=self.scaling, enable_gqa=nkv != nh
+                        )
+                    )
+                o = torch.cat(outs).view(b, nh * hd)
+            else:
+                ks, vs = [], []
+                for c, kb, vb in zip(caches, k.split(lens), v.split(lens), strict=True):
+                    keys, values = c.layers[i].update(kb.transpose(0, 1)[None], vb.transpose(0, 1)[None])
+                    ks.append(keys[0].transpose(0, 1))  # [L_b, kv heads, head_dim], what pad_sequence pads
+                    vs.append(values[0].transpose(0, 1))
+                keys = pad_sequence(ks, batch_first=True).transpose(1, 2)  # [B, kv heads, S, head_dim]
+                values = pad_sequence(vs, batch_first=True).transpose(1, 2)
+                qb = pad_sequence(list(q.split(lens)), batch_first=True).transpose(1, 2)  # [B, heads, T, hd]
+                o = F.scaled_dot_product_attention(
+                    qb, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=nkv != nh
+                )
+                o = o.transpose(1, 2).reshape(b * t_max, nh * hd)
+            if valid is not None:
+                o = o[valid]  # back to the packed rows
+            x = x + _by_group(ly.o, o, groups if ly.joint["o"] else None)
+            h = self._norm(x, ly.post_norm, self.eps)
+            g, u = _by_group(ly.gate_up, h, groups if ly.joint["gate_up"] else None)
+            x = x + _by_group(ly.down, F.silu(g) * u, groups if ly.joint["down"] else None)
+        out = self._norm(x, self.final_norm, self.final_eps)
+        return [part[None] for part in out.split(lens)]
 
 
 def decoder_hidden(

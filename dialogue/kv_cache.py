@@ -35,7 +35,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from dialogue.fast_decoder import FastDecoder
+from dialogue.fast_decoder import FastDecoder, shares_activation_scale
 
 
 @dataclass
@@ -152,19 +152,63 @@ class CachedLM:
         pos = 0
         with torch.inference_mode():
             while pos < len(toks):
-                take = min(len(toks) - pos, self.window_tokens)
-                overflow = len(c.ids) + take - self.capacity
-                if overflow > 0:
-                    evictable = len(c.ids) - min(len(c.ids), self.sink_tokens)
-                    k = min(evictable, math.ceil(overflow / self.evict_chunk) * self.evict_chunk)
-                    self._evict(c, k)
-                    evicted += k
-                    # cannot bind (take <= window and the sinks stay), kept as a guard on the invariant
-                    take = min(take, self.capacity - len(c.ids))
+                take, k = self._make_room(c, len(toks) - pos)
+                evicted += k
                 self._forward(c, toks[pos : pos + take])
                 pos += take
         assert c.logits is not None and c.hidden is not None
         return FeedResult(logits=c.logits, hidden=c.hidden, evicted=evicted)
+
+    def feed_batch(
+        self,
+        caches: Sequence[LmCache],
+        ids: Sequence[Sequence[int]],
+        *,
+        per_session_quant: bool = False,
+    ) -> list[FeedResult]:
+        """`feed` for several sessions at once: one forward pass per round instead of one per session.
+
+        Each session gets exactly what its own `feed` would do to it (eviction, window-sized
+        pieces, sinks, the cache invariant); only the forward is shared, so N sessions decoding a
+        token each cost about one decode step's weight reads instead of N. The caches may be at
+        different lengths and `ids[b]` of different lengths. Where the lean decoder does not run
+        the model (`fast=False` or an unsupported architecture) the sessions are fed one by one:
+        the `transformers` forward has no ragged per-session cache.
+
+        The results equal the one-by-one feeds up to float rounding, except on a dynamically
+        int8-quantised model, whose products quantise their whole input with one scale: there a
+        session's numbers move with the other members of the batch by about int8 rounding, unless
+        `per_session_quant` runs those products (and lm_head) once per session, which keeps every
+        session independent of the batch at the cost of the shared int8 weight reads.
+        """
+        if len(caches) != len(ids):
+            raise ValueError(f"feed_batch: {len(caches)} caches but {len(ids)} id lists")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("feed_batch: a cache appears more than once")
+        toks = [[int(t) for t in seq] for seq in ids]
+        if any(not t for t in toks):
+            raise ValueError("feed_batch: a session has no tokens to feed")
+        if self.fast is None:
+            return [self.feed(c, t) for c, t in zip(caches, toks, strict=True)]
+        evicted = [0] * len(caches)
+        pos = [0] * len(caches)
+        with torch.inference_mode():
+            while True:  # one round per window-sized piece of the longest feed; usually one
+                active = [b for b in range(len(caches)) if pos[b] < len(toks[b])]
+                if not active:
+                    break
+                pieces = []
+                for b in active:
+                    take, k = self._make_room(caches[b], len(toks[b]) - pos[b])
+                    evicted[b] += k
+                    pieces.append(toks[b][pos[b] : pos[b] + take])
+                    pos[b] += take
+                self._forward_batch([caches[b] for b in active], pieces, per_session_quant)
+        out = []
+        for c, k in zip(caches, evicted, strict=True):
+            assert c.logits is not None and c.hidden is not None
+            out.append(FeedResult(logits=c.logits, hidden=c.hidden, evicted=k))
+        return out
 
     def rollback(self, c: LmCache, length: int) -> None:
         """Keep only the first `length` cached tokens, e.g. to drop an assistant reply cut by a barge-in.
@@ -229,6 +273,46 @@ class CachedLM:
         c.hidden = last[0].float()
         if c.cache.get_seq_length() != len(c.ids):
             raise RuntimeError(f"cache holds {c.cache.get_seq_length()} tokens but ids has {len(c.ids)}")
+
+    def _make_room(self, c: LmCache, want: int) -> tuple[int, int]:
+        """Evict so the next piece of up to `want` tokens fits; (tokens to feed now, tokens evicted).
+
+        A piece is at most the window (no single forward fits more than that after the sinks); an
+        overflow evicts the oldest window tokens, rounded up to a multiple of `evict_chunk`."""
+        take = min(want, self.window_tokens)
+        overflow = len(c.ids) + take - self.capacity
+        k = 0
+        if overflow > 0:
+            evictable = len(c.ids) - min(len(c.ids), self.sink_tokens)
+            k = min(evictable, math.ceil(overflow / self.evict_chunk) * self.evict_chunk)
+            self._evict(c, k)
+            # cannot bind (take <= window and the sinks stay), kept as a guard on the invariant
+            take = min(take, self.capacity - len(c.ids))
+        return take, k
+
+    def _forward_batch(self, caches: list[LmCache], pieces: list[list[int]], per_session_quant: bool) -> None:
+        if len(caches) == 1:  # nothing to share: the single path is the reference and the fastest
+            self._forward(caches[0], pieces[0])
+            return
+        assert self.fast is not None
+        hidden = self.fast.forward_batch(
+            [c.cache for c in caches],
+            pieces,
+            [len(c.ids) for c in caches],
+            per_session_quant=per_session_quant,
+        )
+        last = torch.cat([h[:, -1] for h in hidden])  # [B, hidden]
+        head = self.model.lm_head
+        if per_session_quant and shares_activation_scale(head):
+            logits = torch.cat([head(last[b : b + 1]) for b in range(len(caches))])
+        else:
+            logits = head(last)  # lm_head on the last position of each session only
+        for b, (c, toks) in enumerate(zip(caches, pieces, strict=True)):
+            c.ids.extend(toks)
+            c.logits = logits[b].float()
+            c.hidden = last[b].float()
+            if c.cache.get_seq_length() != len(c.ids):
+                raise RuntimeError(f"cache holds {c.cache.get_seq_length()} tokens but ids has {len(c.ids)}")
 
     def _device(self) -> torch.device:
         # dynamically quantized Linear modules hold packed params, so look at the embedding instead
