@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from typing import Any
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -81,7 +82,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 #: `duplex serve` flags that override models.yaml's `limits:` (docs/operations.md)
 LIMIT_FLAGS = {
-    "max_sessions": "sessions at once, all transports (HTTP 503 / close 1013)",
+    "max_sessions": "sessions at once, all transports (HTTP 503 / close 1013); 'auto': this device's "
+    "measured capacity (duplex bench --serve --sessions 1,2,4,8 --calibrate)",
     "max_connections_per_client": "connections at once per client address (HTTP 429)",
     "max_session_s": "seconds a session may last (error session_expired, close 1000)",
     "idle_timeout_s": "seconds without a client message before a session is closed (idle_timeout, 1000)",
@@ -155,11 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one object per line")
     s.add_argument("--tones", action="store_true", help="tiny tone stages instead of models (tests, demos)")
     for name, text in LIMIT_FLAGS.items():
-        kind = (
-            int
+        kind: Any = (
+            _sessions_arg
+            if name == "max_sessions"
+            else int
             if name
             in (
-                "max_sessions",
                 "max_connections_per_client",
                 "control_burst",
                 "max_text_chars",
@@ -251,7 +254,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--model", default=None, help="with --asr: a .nemo file (default: asr/weights/fc_small.nemo)"
     )
-    b.add_argument("--sessions", default="1,4,16", help="with --asr: concurrent session counts")
+    b.add_argument(
+        "--sessions",
+        default=None,
+        metavar="N,N,...",
+        help="without --asr: the load bench, N callers at once for each N (e.g. 1,2,4; with --soak one N); "
+        "with --asr: concurrent ASR streams (default 1,4,16)",
+    )
+    b.add_argument(
+        "--soak",
+        default=None,
+        metavar="DURATION",
+        help="with --sessions N: N callers in a loop for DURATION (90s, 10m); server RSS, threads, tasks sampled",
+    )
+    b.add_argument(
+        "--stagger", type=float, default=1.5, help="with --sessions: seconds between the callers' starts"
+    )
+    b.add_argument(
+        "--sample-every", type=float, default=30.0, help="with --soak: seconds between the server's samples"
+    )
     b.add_argument("--seconds", type=float, default=12.0, help="with --asr: speech streamed per session")
     b.add_argument("--threads", type=int, default=0, help="with --asr: torch threads (0 = torch's default)")
     b.add_argument(
@@ -288,6 +309,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_eot_arguments(ee)
     ee.set_defaults(func=_eval_eot)
     return p
+
+
+def _sessions_arg(value: str) -> int | str:
+    """--max-sessions: a positive integer or 'auto'."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of sessions or 'auto', got {value!r}") from None
 
 
 def _eval_eot(args: argparse.Namespace) -> int:

@@ -41,6 +41,9 @@ class ServerLimits:
     """Per-server and per-session limits; `models.yaml` `limits:` and `duplex serve` flags override."""
 
     max_sessions: int = 8  # sessions at once, all transports together (HTTP 503 / close 1013)
+    #: `max_sessions: auto`: the service replaces max_sessions with this device's measured capacity
+    #: (duplex.runtime.capacity)
+    max_sessions_auto: bool = False
     max_connections_per_client: int = 4  # WebSocket/TCP connections at once per client address (HTTP 429)
     max_session_s: float = 3600.0  # a session is ended after this long (session_expired, 1000)
     idle_timeout_s: float = 300.0  # ... or after this long without a client message (idle_timeout, 1000)
@@ -64,11 +67,16 @@ class ServerLimits:
         for key, value in overrides.items():
             if value is None:
                 continue
-            if key not in names:
+            if key not in names or key == "max_sessions_auto":
                 raise ConfigError(f"unknown limit {key!r}; known: {', '.join(names)}")
+            if key == "max_sessions" and value == "auto":
+                clean["max_sessions_auto"] = True
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"limit {key} must be a positive number, got {value!r}")
             clean[key] = int(value) if names[key].type == "int" else float(value)
+            if key == "max_sessions":
+                clean["max_sessions_auto"] = False
         return dataclasses.replace(self, **clean)
 
 

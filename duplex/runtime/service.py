@@ -7,6 +7,7 @@ runners of open sessions (a drain ends them) and the draining flag (`/readyz`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -180,6 +181,12 @@ class DuplexService:
         self.profile = profile
         self.stages = stages
         self.limits = limits or ServiceLimits()
+        self.capacity_source = "configured"
+        if self.limits.max_sessions_auto:
+            from duplex.runtime.capacity import resolve_max_sessions
+
+            n, self.capacity_source = resolve_max_sessions(profile.name)
+            self.limits = dataclasses.replace(self.limits, max_sessions=n)
         self.clock = clock
         self.metrics = Metrics()
         self.executor = DeviceExecutor(
@@ -284,6 +291,8 @@ class DuplexService:
             "profile": self.profile.name,
             "sessions": len(self.sessions),
             "max_sessions": self.limits.max_sessions,
+            "available": max(0, self.limits.max_sessions - len(self.sessions)),
+            "capacity_source": self.capacity_source,
             "sessions_total": self.sessions_total,
             "uptime_s": round(time.time() - self.started, 1),
         }
