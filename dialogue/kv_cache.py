@@ -63,6 +63,9 @@ class FeedResult:
     hidden: torch.Tensor
     #: tokens this feed evicted from the window
     evicted: int
+    #: with `feed(..., greedy=True)`: the model's greedy next token after each fed token (what a
+    #: speculative check compares a draft with); else None
+    greedy: list[int] | None = None
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -138,26 +141,28 @@ class CachedLM:
 
     # -- feeding ----------------------------------------------------------------------------
 
-    def feed(self, c: LmCache, ids: Sequence[int]) -> FeedResult:
+    def feed(self, c: LmCache, ids: Sequence[int], *, greedy: bool = False) -> FeedResult:
         """Run `ids` through the model after the cached tokens (in place), evicting as needed.
 
         A feed that would overflow `sink_tokens + window_tokens` first evicts the oldest window
         tokens, rounded up to a multiple of `evict_chunk`. A feed longer than the window goes in
         window-sized pieces, since no single forward can fit more than that after the sinks.
+        `greedy`: also the argmax next token after every fed token (lm_head on every position).
         """
         toks = [int(t) for t in ids]
         if not toks:
             raise ValueError("feed: no tokens to feed")
         evicted = 0
         pos = 0
+        picks: list[int] | None = [] if greedy else None
         with torch.inference_mode():
             while pos < len(toks):
                 take, k = self._make_room(c, len(toks) - pos)
                 evicted += k
-                self._forward(c, toks[pos : pos + take])
+                self._forward(c, toks[pos : pos + take], picks)
                 pos += take
         assert c.logits is not None and c.hidden is not None
-        return FeedResult(logits=c.logits, hidden=c.hidden, evicted=evicted)
+        return FeedResult(logits=c.logits, hidden=c.hidden, evicted=evicted, greedy=picks)
 
     def feed_batch(
         self,
@@ -248,12 +253,13 @@ class CachedLM:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _forward(self, c: LmCache, toks: list[int]) -> None:
+    def _forward(self, c: LmCache, toks: list[int], picks: list[int] | None = None) -> None:
         start = len(c.ids)
         n = len(toks)
         device = self._device()
         if self.fast is not None:
-            last = self.fast.forward(c.cache, toks, start)[:, -1]
+            states = self.fast.forward(c.cache, toks, start)
+            last = states[:, -1]
         else:
             positions = torch.arange(start, start + n, device=device)
             out = self.model.model(
@@ -265,9 +271,15 @@ class CachedLM:
                 cache_position=positions,
                 position_ids=positions.unsqueeze(0),
             )
-            last = out.last_hidden_state[:, -1]
+            states = out.last_hidden_state
+            last = states[:, -1]
         # lm_head on the last position only: the vocab projection of prefill positions is wasted
+        # (unless the caller wants every position's greedy pick)
         logits = self.model.lm_head(last)
+        if picks is not None:
+            if n > 1:
+                picks.extend(int(t) for t in torch.argmax(self.model.lm_head(states[0, :-1]), dim=-1))
+            picks.append(int(torch.argmax(logits[0])))
         c.ids.extend(toks)
         c.logits = logits[0].float()
         c.hidden = last[0].float()

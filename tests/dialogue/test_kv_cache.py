@@ -427,3 +427,19 @@ def test_bad_construction_raises(model: PreTrainedModel) -> None:
     for kwargs in ({"window_tokens": 0}, {"evict_chunk": 0}, {"sink_tokens": -1}):
         with pytest.raises(ValueError):
             CachedLM(model, **kwargs)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_feed_greedy_picks_are_the_argmax_after_every_token(model: PreTrainedModel, fast: bool) -> None:
+    """What a speculative check compares a draft with: the same picks as a fresh prefill's, and
+    the last one is the argmax of the cache's next-token logits."""
+    rng = random.Random(3)
+    prompt, draft = rand_ids(rng, 9), rand_ids(rng, 5)
+    lm = CachedLM(model, sink_tokens=2, window_tokens=64, fast=fast)
+    c = lm.new()
+    lm.feed(c, prompt)
+    res = lm.feed(c, draft, greedy=True)
+    truth = prefill_logits(model, prompt + draft)[len(prompt) :].argmax(-1).tolist()
+    assert res.greedy == truth
+    assert res.greedy[-1] == int(torch.argmax(c.logits))
+    assert lm.feed(c, [1]).greedy is None  # off by default
