@@ -273,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--sample-every", type=float, default=30.0, help="with --soak: seconds between the server's samples"
     )
+    b.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="with --sessions: record the largest N within every target as this device's capacity "
+        "for the profile (duplex serve --max-sessions auto reads it)",
+    )
     b.add_argument("--seconds", type=float, default=12.0, help="with --asr: speech streamed per session")
     b.add_argument("--threads", type=int, default=0, help="with --asr: torch threads (0 = torch's default)")
     b.add_argument(

@@ -92,7 +92,7 @@ def run(args: Any) -> int:
     model = load_nemo_model(source)
     enc = model.encoder
     contexts = [list(c) for c in getattr(enc, "att_context_size_all", [enc.att_context_size])]
-    counts = [int(x) for x in str(args.sessions).split(",")]
+    counts = [int(x) for x in str(args.sessions or "1,4,16").split(",")]
     audio = _speech(float(args.seconds), seed=5)
     budget = float(args.budget_ms) if args.budget_ms else None
     rows = []

@@ -1,6 +1,7 @@
 """`duplex bench`: the serve bench (turns and barge-ins through the native protocol, and optionally
-factual questions, mid-sentence pauses and multi-turn memory) or, with `--transport`, the same
-prompts through every transport adapter."""
+factual questions, mid-sentence pauses and multi-turn memory); with `--transport`, the same prompts
+through every transport adapter; with `--sessions 1,2,4` (or `--soak 10m --sessions N`), N callers at
+once (`duplex.bench.load`)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def add_case_arguments(b: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """`duplex bench`: see the module docstring."""
+    if getattr(args, "soak", None) or getattr(args, "sessions", None):
+        return _bench_load(args)
     cases = {k: int(getattr(args, k, 0) or 0) for k in ("facts", "pauses", "memory")}
     voice = str(getattr(args, "voice", None) or "hibari")
     seed = int(getattr(args, "seed", 0) or 0)
@@ -110,33 +113,11 @@ def main(args: argparse.Namespace) -> int:
     server: InProcessServer | None = None
     service: Any = None
     if args.serve:
-        from duplex.base.config import ConfigError, load_profile
-        from duplex.runtime.service import DuplexService
-
-        try:
-            if tones:
-                from duplex.testing.fakes import fake_stages, scripted_answer
-
-                print(
-                    "duplex bench: tone stages in this process (--tones): the adapters' own cost, no models"
-                )
-                service = DuplexService(load_profile(args.profile), fake_stages(scripted_answer))
-            else:
-                print("duplex bench: loading the service in this process (--serve) ...", flush=True)
-                service = DuplexService.load(args.profile)
-        except (ConfigError, RuntimeError, ValueError) as exc:
-            print(f"duplex bench: cannot load models: {exc}", file=sys.stderr)
-            print("hint: `duplex models` shows what is missing and how to fix it", file=sys.stderr)
-            return 2
-        server = InProcessServer(service)
-        try:
-            url = server.start()
-        except BenchError as exc:
-            print(f"duplex bench: {exc}", file=sys.stderr)
-            service.close()
-            return 2
+        started = _serve_in_process(args, tones)
+        if isinstance(started, int):
+            return started
+        server, service, url = started
         audiosocket = audiosocket or server.audiosocket
-        print(f"duplex bench: serving on {url} (in-process; for clean timings run `duplex serve` separately)")
     try:
         if transports:
             return _bench_transports(url, transports, audiosocket, args, tones, synth)
@@ -230,3 +211,186 @@ def _bench_transports(
     print(format_transport_table(result))
     print(f"\nwrote {path} and {png}")
     return 1 if any(row["failed"] for row in result["transports"].values()) else 0
+
+
+def _serve_in_process(
+    args: argparse.Namespace, tones: bool, limits: Any = None
+) -> tuple[InProcessServer, Any, str] | int:
+    """--serve: load the service (or the tone stages) and serve it from a thread of this process;
+    (server, service, url), or the exit status when it cannot start."""
+    from duplex.base.config import ConfigError, load_profile
+    from duplex.runtime.service import DuplexService
+
+    try:
+        if tones:
+            from duplex.testing.fakes import fake_stages, scripted_answer
+
+            print("duplex bench: tone stages in this process (--tones): the adapters' own cost, no models")
+            service = DuplexService(load_profile(args.profile), fake_stages(scripted_answer), limits=limits)
+        else:
+            print("duplex bench: loading the service in this process (--serve) ...", flush=True)
+            service = DuplexService.load(args.profile, limits=limits)
+    except (ConfigError, RuntimeError, ValueError) as exc:
+        print(f"duplex bench: cannot load models: {exc}", file=sys.stderr)
+        print("hint: `duplex models` shows what is missing and how to fix it", file=sys.stderr)
+        return 2
+    server = InProcessServer(service)
+    try:
+        url = server.start()
+    except BenchError as exc:
+        print(f"duplex bench: {exc}", file=sys.stderr)
+        service.close()
+        return 2
+    print(f"duplex bench: serving on {url} (in-process; for clean timings run `duplex serve` separately)")
+    return server, service, url
+
+
+def tone_prompt(text: str) -> Any:
+    """--tones: a prompt's in-vocabulary words as tone speech (the tone ASR hears them back)."""
+    import re
+
+    from duplex.testing.fakes import VOCAB, tone_speech
+
+    words = [w for w in re.findall(r"[a-z]+", text.lower()) if w in VOCAB]
+    return tone_speech(" ".join(words) or "hello")
+
+
+def _bench_load(args: argparse.Namespace) -> int:
+    """`duplex bench --sessions 1,2,4` (a level per N) or `--soak DURATION --sessions N`."""
+    from duplex.bench.load import parse_duration, parse_sessions, run_load, run_soak
+    from duplex.bench.load_report import format_load_table, format_soak_table
+
+    try:
+        counts = parse_sessions(args.sessions or "1")
+        soak_s = parse_duration(args.soak) if getattr(args, "soak", None) else None
+    except BenchError as exc:
+        print(f"duplex bench: {exc}", file=sys.stderr)
+        return 2
+    if soak_s is not None and len(counts) != 1:
+        print("duplex bench: --soak takes one session count (--sessions N)", file=sys.stderr)
+        return 2
+    if getattr(args, "transport", None):
+        print("duplex bench: --sessions/--soak and --transport do not combine", file=sys.stderr)
+        return 2
+    if args.turns < 0 or args.barge_ins < 0 or args.turns + args.barge_ins == 0:
+        print("duplex bench: --turns and --barge-ins must be >= 0 and not both 0", file=sys.stderr)
+        return 2
+    if any(int(getattr(args, k, 0) or 0) for k in ("facts", "pauses", "memory")):
+        print("duplex bench: the load bench asks --turns and --barge-ins only (no --facts/--pauses/--memory)")
+    options: dict[str, Any] = {}
+    if getattr(args, "session", None):
+        try:
+            options = dict(json.loads(args.session))
+        except (ValueError, TypeError) as exc:
+            print(
+                f"duplex bench: --session must be a JSON object of session options ({exc})", file=sys.stderr
+            )
+            return 2
+    tones = bool(getattr(args, "tones", False))
+    if tones and not args.serve:
+        print("duplex bench: --tones needs --serve", file=sys.stderr)
+        return 2
+    voice = str(getattr(args, "voice", None) or "hibari")
+    synth: Any = tone_prompt if tones else None
+    if voice != "hibari" and not tones:
+        try:
+            synth = make_synth(voice, int(getattr(args, "seed", 0) or 0))
+        except BenchError as exc:
+            print(f"duplex bench: {exc}", file=sys.stderr)
+            return 2
+    url = args.url
+    server: InProcessServer | None = None
+    service: Any = None
+    if args.serve:
+        from duplex.base.config import ConfigError
+        from duplex.base.limits import load_limits
+        from duplex.runtime.service import ServiceLimits
+
+        try:
+            # models.yaml's limits, as `duplex serve` has them (a 503 past max_sessions is a result),
+            # but every caller comes from this one address: the per-address limit would refuse them
+            base = load_limits()
+            limits = ServiceLimits(**vars(base)).with_overrides(
+                {"max_connections_per_client": max(base.max_connections_per_client, max(counts) + 1)}
+            )
+        except ConfigError as exc:
+            print(f"duplex bench: limits: {exc}", file=sys.stderr)
+            return 2
+        started = _serve_in_process(args, tones, limits)
+        if isinstance(started, int):
+            return started
+        server, service, url = started
+    common: dict[str, Any] = {
+        "stagger_s": float(args.stagger),
+        "seed": int(getattr(args, "seed", 0) or 0),
+        "session_options": options,
+    }
+    try:
+        if soak_s is not None:
+            probe = None
+            if server is not None:
+                in_process = server
+                probe = lambda: {"server_tasks": in_process.task_count()}  # noqa: E731
+            result = asyncio.run(
+                run_soak(
+                    url,
+                    counts[0],
+                    soak_s,
+                    args.turns,
+                    args.barge_ins,
+                    synth,
+                    args.out,
+                    sample_every_s=float(args.sample_every),
+                    server_probe=probe,
+                    **common,
+                )
+            )
+            print()
+            print(format_soak_table(result))
+            print(f"\nwrote {Path(args.out) / 'soak.json'} and {Path(args.out) / 'soak.png'}")
+            t = result["totals"]
+            return 1 if (t["sessions_failed"] or t["leaked_frames"]) else 0
+        result = asyncio.run(run_load(url, counts, args.turns, args.barge_ins, synth, args.out, **common))
+    except BenchError as exc:
+        print(f"duplex bench: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("duplex bench: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if server is not None:
+            server.stop()
+        if service is not None:
+            service.close()
+    print()
+    print(format_load_table(result))
+    print(f"\nwrote {Path(args.out) / 'load.json'} and {Path(args.out) / 'load.png'}")
+    if getattr(args, "calibrate", False):
+        _calibrate(args, result)
+    return 1 if any(lv["errors"] or lv["lost"] or lv["leaked_frames"] for lv in result["levels"]) else 0
+
+
+def _calibrate(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """--calibrate: store the largest N that kept every target as this device's capacity for the
+    profile (`duplex serve --max-sessions auto` reads it; duplex.runtime.capacity)."""
+    from duplex.base.config import load_profile
+    from duplex.runtime.capacity import capacity_file, record_capacity
+
+    profile = load_profile(args.profile).name
+    n = int(result["max_sessions_within_targets"])
+    evidence = {
+        "targets": result["settings"]["targets"],
+        "levels": {
+            str(lv["sessions"]): {
+                "onset_p90_s": (lv.get("onset_s") or {}).get("p90"),
+                "barge_in_p90_s": (lv.get("barge_in_reaction_s") or {}).get("p90"),
+                "gaps": (lv.get("gaps") or {}).get("count"),
+                "missed": lv.get("targets_missed"),
+            }
+            for lv in result["levels"]
+        },
+        "turns": args.turns,
+        "barge_ins": args.barge_ins,
+    }
+    record_capacity(profile, n, evidence)
+    print(f"capacity of profile {profile!r} on this device: {n} sessions (recorded in {capacity_file()})")

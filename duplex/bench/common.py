@@ -22,7 +22,11 @@ import numpy as np
 
 from codec.pcm import float_to_pcm16
 from duplex.base.audio import SAMPLE_RATE as SR
-from duplex.base.paths import DATA_ROOT
+from duplex.eval.answers import FACTS_PATH as FACTS_PATH  # re-exported: the bench's case sets
+from duplex.eval.answers import MEMORY_CASES as MEMORY_CASES
+from duplex.eval.answers import Fact as Fact
+from duplex.eval.answers import MemoryCase as MemoryCase
+from duplex.eval.answers import load_facts as _load_facts
 
 log = logging.getLogger("duplex.bench")
 
@@ -88,81 +92,12 @@ PAUSE_PAIRS: tuple[tuple[str, str], ...] = (
 )
 
 
-@dataclass(frozen=True)
-class MemoryCase:
-    """Two turns: the caller tells a fact about themselves, then asks it back.
-
-    `answer` holds keyword groups (as a fact's `any`); `own` is a regex that matches the service
-    claiming the caller's fact as its own ("my name is Anna"): a role confusion, counted wrong.
-    """
-
-    statement: str
-    question: str
-    answer: tuple[tuple[str, ...], ...]
-    own: str
-
-
-MEMORY_CASES: tuple[MemoryCase, ...] = (
-    MemoryCase("My name is Anna.", "What is my name?", (("anna",),), r"\bmy name is\b|\bi(?: am|'m) anna\b"),
-    MemoryCase(
-        "I live in Boston.", "Which city do I live in?", (("boston",),), r"\bi live\b|\bmy (?:city|home)\b"
-    ),
-    MemoryCase(
-        "My favourite colour is green.",
-        "What is my favourite colour?",
-        (("green",),),
-        r"\bmy favou?rite colou?r\b",
-    ),
-    MemoryCase("My dog is called Max.", "What is my dog called?", (("max",),), r"\bmy dog\b"),
-    MemoryCase(
-        "I work as a nurse.",
-        "What is my job?",
-        (("nurse",),),
-        r"\bi(?: am|'m) a nurse\b|\bmy job\b|\bi work\b",
-    ),
-    MemoryCase("My sister is called Clara.", "What is my sister called?", (("clara",),), r"\bmy sister\b"),
-    MemoryCase("I was born in March.", "In which month was I born?", (("march",),), r"\bi was born\b"),
-    MemoryCase(
-        "My favourite food is pizza.", "What is my favourite food?", (("pizza",),), r"\bmy favou?rite food\b"
-    ),
-    MemoryCase("I have two cats.", "How many cats do I have?", (("two", "2"),), r"\bi have (?:two|2) cats\b"),
-    MemoryCase("My car is red.", "What colour is my car?", (("red",),), r"\bmy car\b"),
-)
-
-FACTS_PATH = DATA_ROOT / "dialogue" / "facts_eval.jsonl"
-
-
-@dataclass(frozen=True)
-class Fact:
-    """A factual question with known answers: correct if every keyword group has one alternative
-    in the answer (`duplex.bench.conversation.keywords_match`)."""
-
-    q: str
-    any: tuple[tuple[str, ...], ...]
-    source: str = ""
-
-
 def load_facts(path: str | Path = FACTS_PATH) -> list[Fact]:
     """The factual question set (data/dialogue/facts_eval.jsonl), in file order."""
-    path = Path(path)
-    if not path.is_file():
-        raise BenchError(f"no factual question set at {path} (it ships in a checkout of the repository)")
-    facts = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            facts.append(
-                Fact(
-                    str(row["q"]),
-                    tuple(tuple(str(a) for a in g) for g in row["any"]),
-                    str(row.get("source", "")),
-                )
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BenchError(f"{path}:{n}: not a fact row ({exc})") from None
-    return facts
+    try:
+        return _load_facts(path)
+    except (OSError, ValueError) as exc:
+        raise BenchError(str(exc)) from None
 
 
 Synth = Callable[[str], np.ndarray]
@@ -633,6 +568,20 @@ class InProcessServer:
         if not ready.wait(timeout) or failure:
             raise BenchError(f"could not start the in-process server: {failure[0] if failure else 'timeout'}")
         return f"ws://{self.host}:{self.port}/v1/duplex"
+
+    def task_count(self, timeout: float = 5.0) -> int | None:
+        """asyncio tasks alive on the server's loop now (a soak watches it for leaks); None when stopped."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            return None
+
+        async def count() -> int:
+            return len(asyncio.all_tasks())
+
+        try:
+            return asyncio.run_coroutine_threadsafe(count(), loop).result(timeout)
+        except Exception:  # the loop stopped or is too busy to answer: not a number
+            return None
 
     def stop(self) -> None:
         loop, gateway = self._loop, self._gateway

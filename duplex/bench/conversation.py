@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,110 +26,23 @@ from duplex.bench.common import (
     count_leaks,
 )
 from duplex.core.events import LATENCY_STAGES
+from duplex.eval.answers import (  # re-exported: the bench's scoring lives with the evaluations
+    answer_tokens,
+    answer_vocabulary,
+    draft_wrong_keyword,
+    keywords_match,
+    memory_verdict,
+)
 
-# -- scoring answers ---------------------------------------------------------------------
-
-_UNITS = (
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
-    "sixteen seventeen eighteen nineteen"
-).split()
-_TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()
-NUMBER_WORDS: dict[str, int] = {
-    **{w: i for i, w in enumerate(_UNITS)},
-    **{w: 10 * (i + 2) for i, w in enumerate(_TENS)},
-}
-_SCALES = {"hundred": 100, "thousand": 1000, "million": 1_000_000}
-_TOKEN = re.compile(r"\d+(?:\.\d+)?|[a-z0-9]+")  # "dog's" is "dog" "s": the dog is named
-
-
-def answer_tokens(text: str) -> list[str]:
-    """Lower-case word tokens with every run of number words read as one number in digits
-    ("twenty-four" and "24" are both "24"; "three hundred and sixty five" is "365")."""
-    text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text.lower())  # 1,000 -> 1000
-    raw = _TOKEN.findall(text)
-    out: list[str] = []
-    i = 0
-    while i < len(raw):
-        if raw[i] not in NUMBER_WORDS and raw[i] not in _SCALES:
-            out.append(raw[i])
-            i += 1
-            continue
-        total = current = 0
-        j = i
-        while j < len(raw):
-            w = raw[j]
-            if w in NUMBER_WORDS:
-                current += NUMBER_WORDS[w]
-            elif w in _SCALES and j > i:
-                if _SCALES[w] == 100:
-                    current = max(current, 1) * 100
-                else:
-                    total += max(current, 1) * _SCALES[w]
-                    current = 0
-            elif (
-                w == "and"
-                and j > i
-                and raw[j - 1] in _SCALES
-                and j + 1 < len(raw)
-                and raw[j + 1] in NUMBER_WORDS
-            ):
-                pass  # "one hundred and five"
-            else:
-                break
-            j += 1
-        if j == i:  # a scale word alone ("hundreds")
-            out.append(raw[i])
-            i += 1
-            continue
-        out.append(str(total + current))
-        i = j
-    return out
-
-
-def _contains(tokens: Sequence[str], phrase: Sequence[str]) -> bool:
-    n = len(phrase)
-    return n > 0 and any(list(tokens[k : k + n]) == list(phrase) for k in range(len(tokens) - n + 1))
-
-
-def keywords_match(answer: str, groups: Iterable[Iterable[str]]) -> bool:
-    """True if for every group at least one alternative appears in `answer`: case-insensitive, whole
-    words (a phrase as consecutive words), number words and digits alike ("eight" matches "8")."""
-    tokens = answer_tokens(answer)
-    return all(any(_contains(tokens, answer_tokens(alt)) for alt in group) for group in groups)
-
-
-def memory_verdict(answer: str, case: MemoryCase) -> tuple[bool, str]:
-    """(correct, why not). Correct: the answer holds the caller's fact (keyword groups), addresses
-    the caller ("your" / "you"), and does not claim the fact as the service's own ("my name is")."""
-    text = answer.lower()
-    if not keywords_match(answer, case.answer):
-        return False, "fact missing"
-    if re.search(case.own, text):
-        return False, "role confusion (claims the caller's fact as its own)"
-    if not re.search(r"\byou(?:r|'re|'ve)?\b", text):
-        return False, "does not address the caller (no 'your' / 'you')"
-    return True, ""
-
-
-def answer_vocabulary(facts: Iterable[Fact]) -> set[str]:
-    """Every answer keyword of the set, and the numbers 0..100: what a draft can commit to."""
-    vocab = {str(i) for i in range(101)}
-    for f in facts:
-        for group in f.any:
-            vocab.update(answer_tokens(" ".join(group)))
-    return vocab
-
-
-def draft_wrong_keyword(draft: str, fact: Fact, vocabulary: set[str]) -> str | None:
-    """The first word of a committed draft that is an answer keyword (of any fact in the set, or a
-    number) but neither a right alternative of `fact` nor a word of its question: the draft had
-    already committed the answer to something wrong. None: no such word."""
-    right = {t for group in fact.any for alt in group for t in answer_tokens(alt)}
-    asked = set(answer_tokens(fact.q))
-    for tok in answer_tokens(draft):
-        if tok in vocabulary and tok not in right and tok not in asked:
-            return tok
-    return None
+__all__ = [
+    "Conversation",
+    "answer_started",
+    "answer_tokens",
+    "answer_vocabulary",
+    "draft_wrong_keyword",
+    "keywords_match",
+    "memory_verdict",
+]
 
 
 def answer_started(log_: Sequence[Rx], start: int, before: float) -> int | None:

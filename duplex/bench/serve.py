@@ -54,6 +54,7 @@ import logging
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,217 @@ def case_summary(
     }
 
 
+@dataclass(frozen=True)
+class SessionPlan:
+    """What one benchmark session says, in order: question turns, facts, pauses, memory cases, then
+    barge-in trials (each a long prompt, its interruption and the wait before it)."""
+
+    questions: list[str]
+    facts: list[Fact]
+    pauses: list[tuple[str, str, float]]
+    memory: list[MemoryCase]
+    barge_ins: list[tuple[str, str, float]]
+    vocabulary: set[str]
+
+    def texts(self) -> list[str]:
+        """Every prompt to synthesise, once each, in order of first use."""
+        return list(
+            dict.fromkeys(
+                [
+                    *self.questions,
+                    *(f.q for f in self.facts),
+                    *(part for a, b, _ in self.pauses for part in (a, b)),
+                    *(line for m in self.memory for line in (m.statement, m.question)),
+                    *(p for p, _, _ in self.barge_ins),
+                    *(x for _, x, _ in self.barge_ins),
+                ]
+            )
+        )
+
+
+def plan_session(
+    turns: int,
+    barge_ins: int,
+    *,
+    questions: Sequence[str] = QUESTIONS,
+    long_prompts: Sequence[str] = LONG_PROMPTS,
+    interruptions: Sequence[str] = INTERRUPTIONS,
+    barge_wait_s: tuple[float, float] = (1.0, 1.5),
+    seed: int = 0,
+    facts: int = 0,
+    pauses: int = 0,
+    memory: int = 0,
+    fact_set: Sequence[Fact] | None = None,
+    pause_pairs: Sequence[tuple[str, str]] = PAUSE_PAIRS,
+    pause_s: tuple[float, float] = (1.0, 1.5),
+    memory_cases: Sequence[MemoryCase] = MEMORY_CASES,
+    offset: int = 0,
+) -> SessionPlan:
+    """The seeded plan of one session; `offset` rotates the prompt lists (another caller of a load
+    run asks other questions first)."""
+    rng = random.Random(seed)
+    plan_q = [questions[(offset + i) % len(questions)] for i in range(turns)]
+    plan_b = [
+        (
+            long_prompts[(offset + i) % len(long_prompts)],
+            interruptions[(offset + i) % len(interruptions)],
+            rng.uniform(*barge_wait_s),
+        )
+        for i in range(barge_ins)
+    ]
+    # drawn after the barge-in plan, so a run without the new cases draws what it always did
+    all_facts = list(fact_set) if fact_set is not None else (load_facts() if facts > 0 else [])
+    if facts > 0 and not all_facts:
+        raise BenchError("the factual question set is empty")
+    order = list(range(len(all_facts)))
+    rng.shuffle(order)
+    plan_f = [all_facts[order[(offset + i) % len(order)]] for i in range(facts)]
+    plan_p = [(*pause_pairs[(offset + i) % len(pause_pairs)], rng.uniform(*pause_s)) for i in range(pauses)]
+    plan_m = [memory_cases[(offset + i) % len(memory_cases)] for i in range(memory)]
+    return SessionPlan(plan_q, plan_f, plan_p, plan_m, plan_b, answer_vocabulary(all_facts))
+
+
+def synthesise(texts: Sequence[str], synth: Synth, say: Progress) -> dict[str, np.ndarray]:
+    """Speak every text with `synth`, trimmed of leading/trailing silence."""
+    say(f"synthesising {len(texts)} prompts ...")
+    t_syn = time.perf_counter()
+    speech: dict[str, np.ndarray] = {}
+    for text in texts:
+        audio = trim_speech(np.asarray(synth(text), dtype=np.float32))
+        if len(audio) == 0:
+            raise BenchError(f"the synthesiser returned silence for {text!r}")
+        speech[text] = audio
+    say(
+        f"  done in {time.perf_counter() - t_syn:.1f} s; {sum(len(a) for a in speech.values()) / SR:.1f} s of speech"
+    )
+    return speech
+
+
+class SessionRefused(BenchError):
+    """The server would not open a session: an HTTP status before the upgrade (503 at capacity, 429
+    too many connections from this address) or an `error` answering session.start."""
+
+    def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+@dataclass
+class SessionRun:
+    """One benchmark session as it ran: the conversation's records, the client's mic and log."""
+
+    conv: Conversation
+    mic: Mic
+    rx: Listener
+    session: dict[str, Any]
+    t0: float  # loop time at connect
+    wall_s: float
+    interrupted: bool = False  # cancelled (Ctrl-C, or the end of a soak): partial results
+    lost: str | None = None  # the connection dropped during the run: partial results
+
+
+def _refusal(url: str, exc: Exception) -> SessionRefused:
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    code = None
+    body = getattr(response, "body", None)
+    if body:
+        with contextlib.suppress(ValueError, TypeError, UnicodeDecodeError):
+            doc = json.loads(body)
+            code = (doc.get("error") or {}).get("code") or doc.get("code")  # {"error": {"code": ...}}
+    return SessionRefused(f"the server refused the WebSocket at {url}: {exc}", status, code)
+
+
+async def run_session(
+    url: str,
+    plan: SessionPlan,
+    speech: dict[str, np.ndarray],
+    *,
+    turn_timeout_s: float = 30.0,
+    lead_silence_s: float = 1.0,
+    session_options: dict[str, Any] | None = None,
+    progress: Progress | None = print,
+) -> SessionRun:
+    """Connect, start a session and say `plan` like a microphone; a coroutine that several callers
+    can run at once against one server (`duplex.bench.load`). Cancelling it ends the session and
+    returns what was measured (`interrupted`). Raises SessionRefused when no session opens and
+    BenchError when nothing listens at `url`."""
+    from websockets.asyncio.client import connect
+
+    say = progress or (lambda _msg: None)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    interrupted = False
+    lost: str | None = None
+    try:
+        ws_cm = connect(url, max_size=2**20, compression=None, open_timeout=10)
+        ws = await ws_cm.__aenter__()
+    except (OSError, TimeoutError) as exc:
+        raise BenchError(f"cannot open {url}: {exc}. Is `duplex serve` running?") from None
+    except Exception as exc:  # an HTTP status instead of the upgrade (e.g. 503 at capacity)
+        raise _refusal(url, exc) from None
+    mic = Mic(ws, loop)
+    rx = Listener(ws, loop)
+    conv = Conversation(mic, rx, turn_timeout_s, say)
+    tasks: list[asyncio.Task[None]] = []
+    session: dict[str, Any] = {}
+    try:
+        await ws.send(
+            json.dumps({"type": "session.start", "sample_rate": SR, "options": session_options or {}})
+        )
+        tasks = [asyncio.create_task(rx.run(), name="bench-rx")]
+        try:
+            i = await rx.wait(lambda r: r.is_event("session.started") or r.is_event("error"), within_s=10)
+        except (ConnectionError, TimeoutError) as exc:  # closed with 1013 at capacity, or no answer
+            raise SessionRefused(f"no session at {url}: {exc}") from None
+        first = rx.log[i].event
+        assert first is not None
+        if first["type"] == "error":
+            raise SessionRefused(
+                f"session.start refused: {first.get('code')}: {first.get('message')}", code=first.get("code")
+            )
+        session = first
+        tasks.append(asyncio.create_task(mic.run(), name="bench-mic"))
+        await asyncio.sleep(lead_silence_s)
+        try:
+            for k, text in enumerate(plan.questions):
+                await conv.turn(k, len(plan.questions), text, speech[text])
+            for k, fact in enumerate(plan.facts):
+                await conv.fact(k, len(plan.facts), fact, speech[fact.q], plan.vocabulary)
+            for k, (head, rest, wait_s) in enumerate(plan.pauses):
+                await conv.pause(k, len(plan.pauses), head, speech[head], rest, speech[rest], wait_s)
+            for k, case in enumerate(plan.memory):
+                await conv.remember(k, len(plan.memory), case, speech[case.statement], speech[case.question])
+            for k, (prompt, intr, wait_s) in enumerate(plan.barge_ins):
+                await conv.barge_in(
+                    k, len(plan.barge_ins), prompt, speech[prompt], intr, speech[intr], wait_s
+                )
+        except asyncio.CancelledError:  # Ctrl-C: keep what was measured
+            interrupted = True
+            say("interrupted: writing the partial results")
+        except ConnectionError as exc:
+            lost = str(exc)
+    finally:
+        await cancel_tasks(tasks)
+        with contextlib.suppress(Exception):
+            await ws_cm.__aexit__(None, None, None)
+    return SessionRun(conv, mic, rx, session, t0, loop.time() - t0, interrupted, lost)
+
+
+def session_summary(run: SessionRun) -> dict[str, Any]:
+    """The summary of one session's records (without the server's real-time factors)."""
+    conv = run.conv
+    summary = _summary(conv.turns, conv.barge_ins)
+    summary.update(case_summary(conv.facts, conv.pauses, conv.memory))
+    summary["leaked_frames_total"] = count_leaks(run.rx.log)
+    summary["client"] = {
+        "mic_max_lag_ms": round(run.mic.max_lag_s * 1000, 1),
+        "server_errors": [r.event for r in run.rx.log if r.is_event("error")],
+    }
+    return summary
+
+
 async def run_bench(
     url: str,
     turns: int,
@@ -240,121 +452,52 @@ async def run_bench(
     dict that is also written to `out_dir/bench.json` (with `bench.png`) unless `out_dir` is None.
     Raises BenchError when the server cannot be reached.
     """
-    from websockets.asyncio.client import connect
-
     say = progress or (lambda _msg: None)
-    rng = random.Random(seed)
-    plan_q = [questions[i % len(questions)] for i in range(turns)]
-    plan_b = [
-        (
-            long_prompts[i % len(long_prompts)],
-            interruptions[i % len(interruptions)],
-            rng.uniform(*barge_wait_s),
-        )
-        for i in range(barge_ins)
-    ]
-    # drawn after the barge-in plan, so a run without the new cases draws what it always did
-    all_facts = list(fact_set) if fact_set is not None else (load_facts() if facts > 0 else [])
-    if facts > 0 and not all_facts:
-        raise BenchError("the factual question set is empty")
-    order = list(range(len(all_facts)))
-    rng.shuffle(order)
-    plan_f = [all_facts[order[i % len(order)]] for i in range(facts)]
-    plan_p = [(*pause_pairs[i % len(pause_pairs)], rng.uniform(*pause_s)) for i in range(pauses)]
-    plan_m = [memory_cases[i % len(memory_cases)] for i in range(memory)]
-    vocabulary = answer_vocabulary(all_facts)
+    plan = plan_session(
+        turns,
+        barge_ins,
+        questions=questions,
+        long_prompts=long_prompts,
+        interruptions=interruptions,
+        barge_wait_s=barge_wait_s,
+        seed=seed,
+        facts=facts,
+        pauses=pauses,
+        memory=memory,
+        fact_set=fact_set,
+        pause_pairs=pause_pairs,
+        pause_s=pause_s,
+        memory_cases=memory_cases,
+    )
     # fail fast (and clearly) when nothing listens, before spending time on synthesis
     await asyncio.to_thread(fetch_stats, url)
 
     if synth is None:
         say("loading hibari for the prompts ...")
         synth = HibariSynth()
-    texts = list(
-        dict.fromkeys(
-            [
-                *plan_q,
-                *(f.q for f in plan_f),
-                *(part for a, b, _ in plan_p for part in (a, b)),
-                *(line for m in plan_m for line in (m.statement, m.question)),
-                *(p for p, _, _ in plan_b),
-                *(x for _, x, _ in plan_b),
-            ]
-        )
-    )
-    say(f"synthesising {len(texts)} prompts ...")
-    t_syn = time.perf_counter()
-    speech: dict[str, np.ndarray] = {}
-    for text in texts:
-        audio = trim_speech(np.asarray(synth(text), dtype=np.float32))
-        if len(audio) == 0:
-            raise BenchError(f"the synthesiser returned silence for {text!r}")
-        speech[text] = audio
-    say(
-        f"  done in {time.perf_counter() - t_syn:.1f} s; {sum(len(a) for a in speech.values()) / SR:.1f} s of speech"
-    )
+    speech = synthesise(plan.texts(), synth, say)
 
     before = await asyncio.to_thread(fetch_stats, url)
-    loop = asyncio.get_running_loop()
     started_at = time.time()
-    t0 = loop.time()
-    interrupted = False
-    try:
-        ws_cm = connect(url, max_size=2**20, compression=None, open_timeout=10)
-        ws = await ws_cm.__aenter__()
-    except (OSError, TimeoutError) as exc:
-        raise BenchError(f"cannot open {url}: {exc}. Is `duplex serve` running?") from None
-    except Exception as exc:  # an HTTP status instead of the upgrade (e.g. 503 at capacity)
-        raise BenchError(f"the server refused the WebSocket at {url}: {exc}") from None
-    mic = Mic(ws, loop)
-    rx = Listener(ws, loop)
-    conv = Conversation(mic, rx, turn_timeout_s, say)
-    tasks: list[asyncio.Task[None]] = []
-    session: dict[str, Any] = {}
-    try:
-        await ws.send(
-            json.dumps({"type": "session.start", "sample_rate": SR, "options": session_options or {}})
-        )
-        tasks = [asyncio.create_task(rx.run(), name="bench-rx")]
-        i = await rx.wait(lambda r: r.is_event("session.started") or r.is_event("error"), within_s=10)
-        first = rx.log[i].event
-        assert first is not None
-        if first["type"] == "error":
-            raise BenchError(f"session.start refused: {first.get('code')}: {first.get('message')}")
-        session = first
-        tasks.append(asyncio.create_task(mic.run(), name="bench-mic"))
-        await asyncio.sleep(lead_silence_s)
-        try:
-            for k, text in enumerate(plan_q):
-                await conv.turn(k, turns, text, speech[text])
-            for k, fact in enumerate(plan_f):
-                await conv.fact(k, facts, fact, speech[fact.q], vocabulary)
-            for k, (first, rest, wait_s) in enumerate(plan_p):
-                await conv.pause(k, pauses, first, speech[first], rest, speech[rest], wait_s)
-            for k, case in enumerate(plan_m):
-                await conv.remember(k, memory, case, speech[case.statement], speech[case.question])
-            for k, (prompt, intr, wait_s) in enumerate(plan_b):
-                await conv.barge_in(k, barge_ins, prompt, speech[prompt], intr, speech[intr], wait_s)
-        except asyncio.CancelledError:  # Ctrl-C: keep what was measured
-            interrupted = True
-            say("interrupted: writing the partial results")
-        except ConnectionError as exc:
-            raise BenchError(f"lost the connection to {url} during the run: {exc}") from None
-    finally:
-        await cancel_tasks(tasks)
-        with contextlib.suppress(Exception):
-            await ws_cm.__aexit__(None, None, None)
-    wall_s = loop.time() - t0
+    run = await run_session(
+        url,
+        plan,
+        speech,
+        turn_timeout_s=turn_timeout_s,
+        lead_silence_s=lead_silence_s,
+        session_options=session_options,
+        progress=progress,
+    )
+    if run.lost is not None:
+        raise BenchError(f"lost the connection to {url} during the run: {run.lost}")
     await asyncio.sleep(0.2)  # let the server account the session's last jobs
     after = await asyncio.to_thread(fetch_stats, url)
 
-    summary = _summary(conv.turns, conv.barge_ins)
-    summary.update(case_summary(conv.facts, conv.pauses, conv.memory))
-    summary["leaked_frames_total"] = count_leaks(rx.log)
-    summary["rtf"] = real_time_factors(before, after, mic.seconds_sent, rx.audio_seconds, wall_s)
-    summary["client"] = {
-        "mic_max_lag_ms": round(mic.max_lag_s * 1000, 1),
-        "server_errors": [r.event for r in rx.log if r.is_event("error")],
-    }
+    conv = run.conv
+    summary = session_summary(run)
+    summary["rtf"] = real_time_factors(before, after, run.mic.seconds_sent, run.rx.audio_seconds, run.wall_s)
+    client = summary.pop("client")
+    summary["client"] = client  # after rtf, as before the refactor
     result: dict[str, Any] = {
         "settings": {
             "url": url,
@@ -372,11 +515,11 @@ async def run_bench(
             "turn_timeout_s": turn_timeout_s,
             "seed": seed,
             "session_options": session_options or {},
-            "session": session,
+            "session": run.session,
             "synth": getattr(synth, "__qualname__", type(synth).__name__),
             "started_at": started_at,
-            "wall_s": round(wall_s, 3),
-            "interrupted": interrupted,
+            "wall_s": round(run.wall_s, 3),
+            "interrupted": run.interrupted,
             "targets": TARGETS,
             "clock": "client monotonic seconds (loop.time()); t_* fields are on this clock",
         },
