@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from dialogue.kv_cache import CachedLM, LmCache
 
 _SENTINEL = "\u2063SENTINEL\u2063"
@@ -168,12 +170,41 @@ class Track:
             del self.pieces[:drop]
 
 
+@dataclass
+class _Remainder:
+    """What a sync feeds once its track was rolled back, and the bookkeeping after the feed."""
+
+    ids: list[int]
+    evicted: int  # the cache's evictions before the feed: if it evicts, checkpoints are void
+    target: list[Piece]
+
+
+def _remainder(plan: int | _Remainder) -> _Remainder:
+    assert isinstance(plan, _Remainder)
+    return plan
+
+
+@dataclass
+class TrackMark:
+    """A track's position at `Conversations.mark`: enough to undo later feeds that evicted nothing."""
+
+    length: int
+    evicted: int
+    cached: int  # the layers' length (== length unless the track is broken)
+    logits: Any
+    hidden: Any
+    pieces: list[Piece]
+    checkpoints: list[tuple[int, Any, Any]]
+
+
 class Conversations:
     """Syncs Tracks of one model (stateless: the Tracks live in the session state)."""
 
-    def __init__(self, lm: CachedLM, renderer: ChatRenderer) -> None:
+    def __init__(self, lm: CachedLM, renderer: ChatRenderer, *, per_session_quant: bool = False) -> None:
         self.lm = lm
         self.renderer = renderer
+        #: batched feeds quantise each track's int8 activations alone (`CachedLM.feed_batch`)
+        self.per_session_quant = per_session_quant
         self._warm = lm.new()
         lm.feed(self._warm, renderer.system_ids)
 
@@ -186,6 +217,34 @@ class Conversations:
 
     def sync(self, track: Track, target: list[Piece]) -> int:
         """Make the cache hold system prompt + `target`; returns tokens fed (prefilled)."""
+        plan = self._prepare(track, target)
+        if isinstance(plan, int):
+            return plan
+        self.lm.feed(track.cache, plan.ids)
+        return self._settle(track, plan)
+
+    def sync_batch(self, tracks: Sequence[Track], targets: Sequence[list[Piece]]) -> list[int]:
+        """`sync` of several sessions' tracks: each rolls back on its own, then what is left to feed
+        goes through one batched forward (`CachedLM.feed_batch`); returns the tokens fed per track."""
+        if len(tracks) != len(targets):
+            raise ValueError(f"sync_batch: {len(tracks)} tracks but {len(targets)} targets")
+        if len({id(t) for t in tracks}) != len(tracks):
+            raise ValueError("sync_batch: a track appears more than once")
+        plans = [self._prepare(t, g) for t, g in zip(tracks, targets, strict=True)]
+        feeding = [i for i, p in enumerate(plans) if isinstance(p, _Remainder)]
+        if len(feeding) == 1:
+            self.lm.feed(tracks[feeding[0]].cache, _remainder(plans[feeding[0]]).ids)
+        elif feeding:
+            self.lm.feed_batch(
+                [tracks[i].cache for i in feeding],
+                [_remainder(plans[i]).ids for i in feeding],
+                per_session_quant=self.per_session_quant,
+            )
+        return [p if isinstance(p, int) else self._settle(t, p) for t, p in zip(tracks, plans, strict=True)]
+
+    def _prepare(self, track: Track, target: list[Piece]) -> int | _Remainder:
+        """A sync up to its feed: the rollback to the first differing token and what to feed after
+        it, or (nothing to feed, or a rebuild) the tokens fed, with the sync complete."""
         fed = track.pieces
         target = self._align(fed, target)
         k = 0
@@ -228,26 +287,74 @@ class Conversations:
         evicted = c.evicted
         self.lm.rollback(c, keep_cache)
         track.checkpoints = [x for x in track.checkpoints if x[0] <= keep_cache]
-        if new_ids:
-            self.lm.feed(c, new_ids)
-        if c.evicted != evicted:
+        return _Remainder(new_ids, evicted, target)
+
+    def _settle(self, track: Track, plan: _Remainder) -> int:
+        """The bookkeeping of a sync once its remainder was fed."""
+        if track.cache.evicted != plan.evicted:
             track.checkpoints = []  # cache positions moved
         track.checkpoint()
-        track.pieces = target
-        track.forget_scrolled_out(base)
-        return len(new_ids)
+        track.pieces = plan.target
+        track.forget_scrolled_out(self.sink_tokens)
+        return len(plan.ids)
 
     def append(self, track: Track, ids: Sequence[int]) -> None:
         """Feed generated tokens onto the open last piece (an answer being decoded)."""
-        if not track.pieces:
+        self.append_batch([track], [ids])
+
+    def append_batch(self, tracks: Sequence[Track], ids: Sequence[Sequence[int]]) -> None:
+        """`append` for several sessions' tracks in one batched forward (`CachedLM.feed_batch`)."""
+        if len(tracks) != len(ids):
+            raise ValueError(f"append_batch: {len(tracks)} tracks but {len(ids)} id lists")
+        if any(not t.pieces for t in tracks):
             raise ValueError("append needs an open piece to extend")
-        evicted = track.cache.evicted
-        self.lm.feed(track.cache, list(ids))
-        if track.cache.evicted != evicted:
-            track.checkpoints = []
-        last = track.pieces[-1]
-        track.pieces[-1] = Piece(last.key, last.ids + list(ids))
-        track.forget_scrolled_out(self.sink_tokens)
+        toks = [list(x) for x in ids]
+        evicted = [t.cache.evicted for t in tracks]
+        if len(tracks) == 1:
+            self.lm.feed(tracks[0].cache, toks[0])
+        else:
+            self.lm.feed_batch([t.cache for t in tracks], toks, per_session_quant=self.per_session_quant)
+        for track, new, before in zip(tracks, toks, evicted, strict=True):
+            if track.cache.evicted != before:
+                track.checkpoints = []
+            last = track.pieces[-1]
+            track.pieces[-1] = Piece(last.key, last.ids + new)
+            track.forget_scrolled_out(self.sink_tokens)
+
+    def mark(self, track: Track) -> TrackMark:
+        """Where a track stands now, for `restore` (a batch that failed part way)."""
+        c = track.cache
+        return TrackMark(
+            len(c.ids),
+            c.evicted,
+            c.cache.get_seq_length(),
+            c.logits,
+            c.hidden,
+            list(track.pieces),
+            list(track.checkpoints),
+        )
+
+    def restore(self, track: Track, mark: TrackMark) -> bool:
+        """Undo the feeds since `mark`; False where that cannot be done exactly (the window scrolled
+        or the cache was rolled back since), in which case the cache is only made consistent again
+        (a forward that raised part way may have written some layers and not the others)."""
+        c = track.cache
+        exact = c.evicted == mark.evicted and mark.length <= len(c.ids)
+        n = mark.length if exact else len(c.ids)
+        cached = mark.cached if exact else n
+        for layer in c.cache.layers:
+            keys = getattr(layer, "keys", None)
+            if isinstance(keys, torch.Tensor) and keys.shape[-2] > cached:
+                layer.crop(cached - keys.shape[-2])
+        del c.ids[n:]
+        if not exact:
+            if c.evicted != mark.evicted:
+                track.checkpoints = []  # positions moved, and the feed's bookkeeping may not have run
+            return False
+        c.logits, c.hidden = mark.logits, mark.hidden
+        track.pieces = list(mark.pieces)
+        track.checkpoints = list(mark.checkpoints)
+        return True
 
     def _align(self, fed: list[Piece], target: list[Piece]) -> list[Piece]:
         """A history trimmed at the front is the tail of what was fed: keep the dropped messages

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from dialogue import llm_weights
-from dialogue.conversation import ChatRenderer, Conversations, Track, pieces_for
+from dialogue.conversation import ChatRenderer, Conversations, Piece, Track, TrackMark, pieces_for
 from dialogue.kv_cache import CachedLM
 from dialogue.llm import LlmOptions, _torch_threads, stop_token_ids, text_delta
 from duplex.base.config import ComponentConfig, ConfigError
@@ -57,6 +57,10 @@ class SlowOptions(LlmOptions):
     """Options of the slow model (the `llm` component): the LLM stage's, plus the cache's eviction step."""
 
     evict_chunk: int = 64
+    #: sessions batched together (`DialogueStage.step_batch`) quantise their int8 activations each
+    #: with its own scale: their tokens then equal one-by-one decoding's, at a cost in throughput;
+    #: off, a batch shares one scale and a near-tie may decode differently than alone
+    per_session_quant: bool = False
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], what: str = "llm") -> SlowOptions:
@@ -84,6 +88,10 @@ class DrafterOptions:
     verifier_threshold: float | str | None = None
     window_tokens: int = 1024
     evict_chunk: int = 64
+    #: sessions batched together (`DialogueStage.step_batch`) quantise their int8 activations each
+    #: with its own scale: their tokens then equal one-by-one decoding's, at a cost in throughput;
+    #: off, a batch shares one scale and a near-tie may decode differently than alone
+    per_session_quant: bool = False
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], what: str = "drafter") -> DrafterOptions:
@@ -132,6 +140,28 @@ class DialogueState:
     answer_live: bool = False
 
 
+@dataclass(frozen=True)
+class _AnswerMark:
+    """The decoding side of a session's answer at one moment (see `DialogueStage._restore`)."""
+
+    n_ids: int
+    pending: tuple[int, ...]
+    emitted_chars: int
+    seam_space: bool
+    done: bool
+
+    @classmethod
+    def of(cls, state: DialogueState) -> _AnswerMark:
+        return cls(
+            len(state.response_ids), tuple(state.pending), state.emitted_chars, state.seam_space, state.done
+        )
+
+    def restore(self, state: DialogueState) -> None:
+        del state.response_ids[self.n_ids :]
+        state.pending = list(self.pending)
+        state.emitted_chars, state.seam_space, state.done = self.emitted_chars, self.seam_space, self.done
+
+
 # -- the stage -------------------------------------------------------------------------------
 
 
@@ -168,7 +198,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
                 window_tokens=slow_options.window_tokens,
                 evict_chunk=slow_options.evict_chunk,
             )
-            self.slow = Conversations(lm, r)
+            self.slow = Conversations(lm, r, per_session_quant=slow_options.per_session_quant)
             self.slow_stop = stop_token_ids(slow_tokenizer)
         self.drafter: Conversations | None = None
         self.drafter_tokenizer = drafter_tokenizer
@@ -181,7 +211,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
                 window_tokens=o.window_tokens,
                 evict_chunk=o.evict_chunk,
             )
-            self.drafter = Conversations(lm, r)
+            self.drafter = Conversations(lm, r, per_session_quant=o.per_session_quant)
             self.drafter_stop = stop_token_ids(drafter_tokenizer)
         self.heads = heads
         self.policy = policy
@@ -220,40 +250,103 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
                 return self._respond(state, chunk), state
         raise TypeError(f"dialogue engine: unknown step {type(chunk).__name__}")
 
+    def step_batch(self, items: Sequence[tuple[DialogueState, Any]]) -> list[tuple[Any, DialogueState]]:
+        """Several sessions' steps, the same kinds together: listen steps share the batched feeds of
+        their drafter and slow-model prefills, answer continuations decode token by token with one
+        batched forward per token; other steps (first steps, overlap) run one by one. Each session
+        gets what `step` gives it (on an int8 model up to the batch's shared activation scale, see
+        `CachedLM.feed_batch`). On an exception nothing is caught: the executor re-runs the batch
+        job by job, so listen steps are idempotent and a failed decode restores its sessions."""
+        if len(items) < 2 or len({id(s) for s, _ in items}) < len(items):
+            return [self.step(state, chunk) for state, chunk in items]
+        listen = [i for i, (_, c) in enumerate(items) if isinstance(c, ListenStep)]
+        decode = [i for i, (_, c) in enumerate(items) if self._continues(c)]
+        batched = set(listen) | set(decode)
+        out: list[tuple[Any, DialogueState] | None] = [None] * len(items)
+        with torch.inference_mode(), _torch_threads(self.slow_options.threads):
+            if listen:
+                results = self._listen_batch([(items[i][0], items[i][1]) for i in listen])
+                for i, o in zip(listen, results, strict=True):
+                    out[i] = (o, items[i][0])
+            for i, (state, chunk) in enumerate(items):
+                if i not in batched:
+                    out[i] = self.step(state, chunk)
+            # last: a continuation is the one step that is not idempotent, so if anything before it
+            # raises, the executor's one-by-one re-run finds it untouched
+            if decode:
+                decoded = self._decode_batch([(items[i][0], items[i][1]) for i in decode])
+                for i, o in zip(decode, decoded, strict=True):
+                    out[i] = (o, items[i][0])
+        assert all(o is not None for o in out)
+        return [o for o in out if o is not None]
+
+    def _continues(self, chunk: Any) -> bool:
+        """An answer's continuation decoded by the in-process slow model (batchable)."""
+        respond = isinstance(chunk, RespondStep) or (
+            hasattr(chunk, "max_tokens") and not isinstance(chunk, (ListenStep, OverlapStep))
+        )
+        return respond and chunk.messages is None and self.remote is None and self.slow is not None
+
     def _listen(self, state: DialogueState, step: ListenStep) -> ListenOutput:
+        return self._listen_batch([(state, step)])[0]
+
+    def _listen_batch(self, items: Sequence[tuple[DialogueState, ListenStep]]) -> list[ListenOutput]:
         from dialogue.turn_taking import normalize_user_text
 
         t0 = time.perf_counter()
-        self._close_remote(state)
-        text = normalize_user_text(step.text)
-        fed = 0
-        probs = (1.0, 0.0, 0.0)
-        if self.drafter is not None and state.drafter is not None and text:
-            # the drafter reads ASR text without punctuation (the heads and the verifier were trained so)
-            fed += self.drafter.sync(
-                state.drafter, pieces_for(self.drafter.renderer, _normalized(step.messages), open_user=text)
-            )
-            if self.heads is not None:
-                h = state.drafter.cache.hidden
-                assert h is not None
-                p = self.heads.turn(h.float()).tolist()
-                probs = (float(p[0]), float(p[1]), float(p[2]))
-            preclose = self.drafter_options.relay if step.preclose is None else step.preclose
-            if preclose and self.verifier is not None:
-                # ~15 ms of the drafter per slice, off the critical path; what _draft syncs to
-                msgs = step.messages + [{"role": "user", "content": step.text}]
-                fed += self.drafter.sync(
-                    state.drafter, pieces_for(self.drafter.renderer, _normalized(msgs), answer_prefix="")
-                )
+        drafter, slow = self.drafter, self.slow
+        n = len(items)
+        # every target first: a bad message raises before any session moved
+        turn: list[list[Piece] | None] = [None] * n
+        closed: list[list[Piece] | None] = [None] * n
+        slow_target: list[list[Piece] | None] = [None] * n
+        for i, (state, step) in enumerate(items):
+            text = normalize_user_text(step.text)
+            if drafter is not None and state.drafter is not None and text:
+                # the drafter reads ASR text without punctuation (the heads and the verifier were trained so)
+                turn[i] = pieces_for(drafter.renderer, _normalized(step.messages), open_user=text)
+                preclose = self.drafter_options.relay if step.preclose is None else step.preclose
+                if preclose and self.verifier is not None:
+                    # ~15 ms of the drafter per slice, off the critical path; what _draft syncs to
+                    msgs = step.messages + [{"role": "user", "content": step.text}]
+                    closed[i] = pieces_for(drafter.renderer, _normalized(msgs), answer_prefix="")
+            if slow is not None and state.slow is not None and text and step.prefill_slow:
+                # time-sliced prefill of the slow model too, so its answer starts with little left to read
+                slow_target[i] = pieces_for(slow.renderer, step.messages, open_user=step.text.strip())
+        for state, _ in items:
+            self._close_remote(state)
+        fed = [0] * n
+        probs = [(1.0, 0.0, 0.0)] * n
+        if drafter is not None:
+            for i, k in self._sync_each(drafter, [s.drafter for s, _ in items], turn):
+                fed[i] += k
+                if self.heads is not None:
+                    h = _track(items[i][0].drafter).cache.hidden
+                    assert h is not None
+                    p = self.heads.turn(h.float()).tolist()
+                    probs[i] = (float(p[0]), float(p[1]), float(p[2]))
+            for i, k in self._sync_each(drafter, [s.drafter for s, _ in items], closed):
+                fed[i] += k
         t1 = time.perf_counter()
-        state.answer_live = False
-        if self.slow is not None and state.slow is not None and text and step.prefill_slow:
-            # time-sliced prefill of the slow model too, so its answer starts with little left to read
-            fed += self.slow.sync(
-                state.slow, pieces_for(self.slow.renderer, step.messages, open_user=step.text.strip())
-            )
+        for state, _ in items:
+            state.answer_live = False
+        if slow is not None:
+            for i, k in self._sync_each(slow, [s.slow for s, _ in items], slow_target):
+                fed[i] += k
         t2 = time.perf_counter()
-        return ListenOutput(probs, fed, {"drafter_s": t1 - t0, "slow_s": t2 - t1, "total_s": t2 - t0})
+        timings = {"drafter_s": t1 - t0, "slow_s": t2 - t1, "total_s": t2 - t0}
+        return [ListenOutput(probs[i], fed[i], dict(timings)) for i in range(n)]
+
+    @staticmethod
+    def _sync_each(
+        conv: Conversations, tracks: Sequence[Track | None], targets: Sequence[list[Piece] | None]
+    ) -> list[tuple[int, int]]:
+        """(index, tokens fed) of each track that has a target, synced together."""
+        idx = [i for i, t in enumerate(targets) if t is not None]
+        if not idx:
+            return []
+        fed = conv.sync_batch([_track(tracks[i]) for i in idx], [_pieces(targets[i]) for i in idx])
+        return list(zip(idx, fed, strict=True))
 
     def _overlap(self, step: OverlapStep) -> OverlapOutput:
         from dialogue.turn_taking import normalize_user_text
@@ -273,6 +366,8 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         return OverlapOutput(p, p >= thr, {"total_s": time.perf_counter() - t0})
 
     def _respond(self, state: DialogueState, step: Any) -> RespondOutput:
+        if self._continues(step):
+            return self._decode_batch([(state, step)])[0]
         t0 = time.perf_counter()
         relay_info: RelayInfo | None = None
         prefill = 0
@@ -322,9 +417,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
                     text, n = text + delta, n + k
             else:
                 text, n = self._slow_decode(state, step.max_tokens)
-        if state.seam_space and text:
-            text = text[1:] if text[0] == " " else text
-            state.seam_space = False
+        text = _after_seam(state, text)
         t2 = time.perf_counter()
         timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0}
         if relay_info is not None:
@@ -415,26 +508,94 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
     def _slow_decode(self, state: DialogueState, max_tokens: int) -> tuple[str, int]:
         assert self.slow is not None and state.slow is not None
         new = 0
-        o = self.slow_options
         while not state.done and new < max_tokens:
             if state.pending:
                 self.slow.append(state.slow, state.pending)
                 state.pending = []
-            logits = state.slow.cache.logits
-            assert logits is not None
-            tok = int(torch.argmax(logits))
-            if tok in self.slow_stop:
-                state.done = True
-                break
-            state.response_ids.append(tok)
-            state.pending = [tok]
-            new += 1
-            if len(state.response_ids) >= o.max_new_tokens:
-                state.done = True
+            new += self._next_token(state)
+        return self._emit(state), new
+
+    def _next_token(self, state: DialogueState) -> int:
+        """Pick the next answer token from the slow cache's logits (it is fed on the next step, so a
+        step that ends the answer costs no forward); 0 when the answer ended instead."""
+        assert state.slow is not None
+        logits = state.slow.cache.logits
+        assert logits is not None
+        tok = int(torch.argmax(logits))
+        if tok in self.slow_stop:
+            state.done = True
+            return 0
+        state.response_ids.append(tok)
+        state.pending = [tok]
+        if len(state.response_ids) >= self.slow_options.max_new_tokens:
+            state.done = True
+        return 1
+
+    def _emit(self, state: DialogueState) -> str:
         text, state.emitted_chars = text_delta(
             self.slow_tokenizer, state.response_ids, state.emitted_chars, state.done
         )
-        return text, new
+        return text
+
+    def _decode_batch(self, items: Sequence[tuple[DialogueState, Any]]) -> list[RespondOutput]:
+        """Continuations (`RespondStep(None, max_tokens)`) of several sessions' answers, token by
+        token with one batched forward of the slow model per token; a session leaves the batch at
+        its stop token, `max_new_tokens` or its `max_tokens`. A session alone decodes as `step`."""
+        slow = self.slow
+        assert slow is not None
+        t0 = time.perf_counter()
+        for state, _ in items:  # a broken state fails the batch before any session moved
+            if not isinstance(state, DialogueState) or state.slow is None:
+                raise ValueError("dialogue engine: a continuation needs a session with a slow-model cache")
+        t1 = time.perf_counter()
+        live = [i for i, (state, _) in enumerate(items) if not state.done]
+        prefill = [0] * len(items)
+        for i in live:
+            state = items[i][0]
+            if state.messages is not None and not state.answer_live:
+                prefill[i] = self._slow_sync(state)  # a listen step moved the cache: back to the answer
+        marks = [(slow.mark(_track(items[i][0].slow)), _AnswerMark.of(items[i][0])) for i in live]
+        new = [0] * len(items)
+        try:
+            active = live
+            while True:
+                active = [i for i in active if not items[i][0].done and new[i] < items[i][1].max_tokens]
+                if not active:
+                    break
+                feeding = [i for i in active if items[i][0].pending]
+                if feeding:
+                    slow.append_batch(
+                        [_track(items[i][0].slow) for i in feeding], [items[i][0].pending for i in feeding]
+                    )
+                    for i in feeding:
+                        items[i][0].pending = []
+                for i in active:
+                    new[i] += self._next_token(items[i][0])
+            texts = {i: _after_seam(items[i][0], self._emit(items[i][0])) for i in live}
+        except BaseException:
+            for i, (mark, answer) in zip(live, marks, strict=True):
+                self._restore(items[i][0], mark, answer)
+            raise
+        t2 = time.perf_counter()
+        out = []
+        for i, (state, _) in enumerate(items):
+            if i not in texts:
+                out.append(RespondOutput("", True, 0, 0, {"total_s": 0.0}))
+                continue
+            timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0}
+            out.append(RespondOutput(texts[i], state.done, new[i], prefill[i], timings))
+        return out
+
+    def _restore(self, state: DialogueState, mark: TrackMark, answer: _AnswerMark) -> None:
+        """Undo a failed batch's decoding of one session, so the executor's re-run decodes the same
+        tokens; where the window scrolled meanwhile only the cache is made consistent, and the
+        re-run goes on from the tokens decoded already (they are emitted then, none lost)."""
+        assert self.slow is not None and state.slow is not None
+        try:
+            if self.slow.restore(state.slow, mark):
+                answer.restore(state)
+        except Exception:  # the session that broke the batch may not restore; its re-run fails alone
+            log.exception("could not restore a session after a failed decode batch")
 
     def _remote_step(self, state: DialogueState, max_tokens: int) -> tuple[str, int]:
         if state.remote is None:
@@ -466,6 +627,24 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             out, state = self.step(state, RespondStep(None, self.slow_options.step_tokens))
             parts.append(out.text)
         return "".join(parts), info
+
+
+def _after_seam(state: DialogueState, text: str) -> str:
+    """The slow model's text after a committed prefix that went out with its word-ending space."""
+    if state.seam_space and text:
+        text = text[1:] if text[0] == " " else text
+        state.seam_space = False
+    return text
+
+
+def _track(track: Track | None) -> Track:
+    assert track is not None
+    return track
+
+
+def _pieces(target: list[Piece] | None) -> list[Piece]:
+    assert target is not None
+    return target
 
 
 def previous_answer(messages: list[dict[str, str]]) -> str | None:

@@ -36,6 +36,10 @@ CLOSE_INTERNAL = 1011  # the session's stages failed repeatedly
 CLOSE_OVERLOAD = 1013  # at capacity, try again later
 
 
+#: limits where 0 means "off" rather than "nothing allowed"
+_MAY_BE_ZERO = frozenset({"llm_gather_ms"})
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     """Per-server and per-session limits; `models.yaml` `limits:` and `duplex serve` flags override."""
@@ -59,6 +63,8 @@ class ServerLimits:
     max_stage_failures: int = 3  # stage failures in one session before it is closed (1011)
     client_secret_ttl_s: float = 60.0  # default lifetime of a client secret
     drain_timeout_s: float = 30.0  # on SIGTERM, answers in progress may finish for this long
+    # the executor waits up to this long to batch an LLM job with other sessions' (0: never waits)
+    llm_gather_ms: float = 3.0
 
     def with_overrides(self, overrides: dict[str, Any]) -> ServerLimits:
         """These limits with some replaced; unknown names or non-positive values raise ConfigError."""
@@ -72,8 +78,11 @@ class ServerLimits:
             if key == "max_sessions" and value == "auto":
                 clean["max_sessions_auto"] = True
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"limit {key} must be a positive number, got {value!r}")
+            if value < 0 or (value == 0 and key not in _MAY_BE_ZERO):
+                what = "a number >= 0" if key in _MAY_BE_ZERO else "a positive number"
+                raise ConfigError(f"limit {key} must be {what}, got {value!r}")
             clean[key] = int(value) if names[key].type == "int" else float(value)
             if key == "max_sessions":
                 clean["max_sessions_auto"] = False

@@ -5,6 +5,12 @@ in models.yaml. Worker threads take jobs earliest-deadline-first and batch queue
 same stage across sessions into one `step_batch` call. Overruns (a job finishing after its
 deadline) are counted per budget label and reported by `stats()`.
 
+A batching stage may have a gather window (`gather_ms`, the LLM's from `limits.llm_gather_ms`):
+after taking a job, a bulk worker waits up to that long for the same stage's jobs of other
+sessions that submitted one recently (a decode step's next job arrives a moment after the last
+batch's results went out), never past the first job's deadline, never while a job of another stage
+falls due first, and never on the realtime lane.
+
 Jobs are split into two lanes so that a long, unpreemptible job (an LLM prefill, a Moonshine
 transcription) can never delay the tiny real-time jobs (the VAD windows that detect barge-in):
 the `realtime` lane has its own worker. Within a lane the order is EDF.
@@ -25,7 +31,7 @@ import logging
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +42,8 @@ from duplex.core.jobs import Job
 log = logging.getLogger("duplex.runtime.executor")
 
 MAX_ABANDONED_WORKERS = 32  # hung threads cannot be killed; past this many, stop replacing them
+#: a session that submitted a job of a stage this recently is waited for by that stage's gather window
+GATHER_HORIZON_S = 1.0
 
 
 class StageFailure(RuntimeError):
@@ -77,6 +85,7 @@ class LabelStats:
     waits: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
     runs: deque[float] = field(default_factory=lambda: deque(maxlen=2000))
     batch_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=2000))
+    gathered: int = 0  # jobs that joined their batch during a gather window
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -108,11 +117,23 @@ class DeviceExecutor:
         on_batch: Callable[[str, float, float, bool], None] | None = None,
         on_failure: Callable[[str, str], None] | None = None,
         on_restart: Callable[[str], None] | None = None,
+        gather_ms: Mapping[str, float] | None = None,
     ) -> None:
+        """`gather_ms`: per stage name, how long a worker may wait to fill a batch (0: no wait)."""
         self._clock = clock
         self._stages: dict[str, StreamingStage[Any, Any, Any]] = {}
         self._realtime = set(realtime_stages)
         self._max_batch = max_batch
+        self._gather: dict[str, float] = {}
+        for stage_name, ms in (gather_ms or {}).items():
+            if ms < 0:
+                raise ValueError(f"gather_ms of {stage_name!r} must be >= 0, got {ms}")
+            if ms and stage_name in self._realtime:
+                raise ValueError(f"no gather window on the realtime lane ({stage_name!r})")
+            if ms:
+                self._gather[stage_name] = ms / 1000.0
+        #: per gathering stage: session -> when it last submitted a job of it (time.monotonic)
+        self._recent: dict[str, dict[str, float]] = {name: {} for name in self._gather}
         self._cv = threading.Condition()
         self._lanes = {"realtime": _Lane("realtime"), "bulk": _Lane("bulk")}
         self._seq = itertools.count()
@@ -165,6 +186,9 @@ class DeviceExecutor:
             if self._closed:
                 raise RuntimeError("executor is closed")
             heapq.heappush(lane.heap, (job.deadline, next(self._seq), job))
+            recent = self._recent.get(job.stage)
+            if recent is not None:
+                recent[job.session_id] = time.monotonic()
             self._cv.notify_all()
         return job.future
 
@@ -192,7 +216,9 @@ class DeviceExecutor:
                 "run_p50_ms": 1000 * _percentile(s.runs, 50),
                 "run_p90_ms": 1000 * _percentile(s.runs, 90),
                 "batch_p50": _percentile(s.batch_sizes, 50),
+                "batch_mean": round(sum(s.batch_sizes) / len(s.batch_sizes), 3) if s.batch_sizes else 0.0,
                 "batch_max": max(s.batch_sizes, default=0),
+                "gathered": s.gathered,
             }
         return out
 
@@ -216,25 +242,60 @@ class DeviceExecutor:
         """Pop the earliest-deadline job and every queued job of the same stage (other sessions)."""
         _, _, first = heapq.heappop(lane.heap)
         batch = [first]
-        if len(lane.heap) and self._max_batch > 1:
-            sessions = {first.session_id}
-            keep: list[tuple[float, int, Job]] = []
-            for entry in sorted(lane.heap):
-                job = entry[2]
-                if (
-                    len(batch) < self._max_batch
-                    and job.stage == first.stage
-                    and job.session_id not in sessions
-                    and id(first) not in self._solo
-                    and id(job) not in self._solo
-                ):
-                    batch.append(job)
-                    sessions.add(job.session_id)
-                else:
-                    keep.append(entry)
+        self._take_more(lane, batch)
+        return batch
+
+    def _take_more(self, lane: _Lane, batch: list[Job]) -> int:
+        """Move queued jobs of the batch's stage from sessions not in it yet into it; how many."""
+        first = batch[0]
+        if not lane.heap or len(batch) >= self._max_batch or id(first) in self._solo:
+            return 0
+        sessions = {job.session_id for job in batch}
+        keep: list[tuple[float, int, Job]] = []
+        taken = 0
+        for entry in sorted(lane.heap):
+            job = entry[2]
+            if (
+                len(batch) < self._max_batch
+                and job.stage == first.stage
+                and job.session_id not in sessions
+                and id(job) not in self._solo
+            ):
+                batch.append(job)
+                sessions.add(job.session_id)
+                taken += 1
+            else:
+                keep.append(entry)
+        if taken:
             heapq.heapify(keep)
             lane.heap[:] = keep
-        return batch
+        return taken
+
+    def _gather_more(self, lane: _Lane, batch: list[Job]) -> int:
+        """Wait (lock held, released while waiting) up to the stage's gather window for jobs of
+        the sessions that recently used the stage and are not in the batch; jobs gathered."""
+        first = batch[0]
+        window = self._gather.get(first.stage, 0.0)
+        if not window or len(batch) >= self._max_batch or id(first) in self._solo:
+            return 0
+        start = time.monotonic()
+        end = start + min(window, first.deadline - self._clock())
+        recent = self._recent[first.stage]
+        for session, seen in list(recent.items()):
+            if start - seen > GATHER_HORIZON_S:
+                del recent[session]
+        gathered = 0
+        while not self._closed and len(batch) < self._max_batch:
+            if not set(recent) - {job.session_id for job in batch}:
+                break  # no other session is likely to come
+            if lane.heap and lane.heap[0][0] < first.deadline:
+                break  # a job of another stage (or the same session) is due first: EDF runs it next
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            self._cv.wait(left)
+            gathered += self._take_more(lane, batch)
+        return gathered
 
     def _spawn(self, lane_name: str) -> None:
         token = next(self._tokens)
@@ -274,10 +335,11 @@ class DeviceExecutor:
                     if self._closed:
                         return
                     batch = self._take_batch(lane)
+                    gathered = self._gather_more(lane, batch) if lane_name == "bulk" else 0
                     self._busy += 1
                     self._running[token] = (time.monotonic(), batch)
                 try:
-                    self._run_batch(batch)
+                    self._run_batch(batch, gathered)
                 finally:
                     with self._cv:
                         self._busy -= 1
@@ -370,7 +432,7 @@ class DeviceExecutor:
                 out.append(exc)
         return out
 
-    def _run_batch(self, batch: list[Job]) -> None:
+    def _run_batch(self, batch: list[Job], gathered: int = 0) -> None:
         stage = self._stages[batch[0].stage]
         check = self._checks.get(batch[0].stage)
         start = self._clock()
@@ -399,6 +461,8 @@ class DeviceExecutor:
                     s.overruns += 1
                 if error is not None:
                     s.failures += 1
+            for job in batch[len(batch) - gathered :] if gathered else ():
+                self._stats[job.label].gathered += 1
         if self._solo:
             with self._cv:
                 for job in batch:

@@ -196,6 +196,7 @@ class DuplexService:
             on_batch=self.metrics.observe_batch,
             on_failure=self.metrics.observe_failure,
             on_restart=self.metrics.observe_restart,
+            gather_ms={"llm": self.limits.llm_gather_ms},
         )
         for stage_name in ("vad", "asr", "llm", "tts"):
             self.executor.register(
