@@ -321,6 +321,35 @@ class Conversations:
             track.pieces[-1] = Piece(last.key, last.ids + new)
             track.forget_scrolled_out(self.sink_tokens)
 
+    def append_checked(self, track: Track, ids: Sequence[int]) -> list[int]:
+        """`append`, and the model's greedy pick after each fed token: one forward tells which of a
+        draft's tokens the model would have chosen itself (`CachedLM.feed(greedy=True)`)."""
+        if not track.pieces:
+            raise ValueError("append needs an open piece to extend")
+        toks = [int(t) for t in ids]
+        before = track.cache.evicted
+        res = self.lm.feed(track.cache, toks, greedy=True)
+        if track.cache.evicted != before:
+            track.checkpoints = []
+        last = track.pieces[-1]
+        track.pieces[-1] = Piece(last.key, last.ids + toks)
+        track.forget_scrolled_out(self.sink_tokens)
+        assert res.greedy is not None
+        return res.greedy
+
+    def take_back(self, track: Track, n: int) -> None:
+        """Drop the last `n` tokens of the open last piece (a draft's rejected tail). The cache's
+        logits are cleared: the caller knows the model's pick there from `append_checked`."""
+        if n <= 0:
+            return
+        last = track.pieces[-1] if track.pieces else None
+        if last is None or n > len(last.ids):
+            raise ValueError(
+                f"take_back: {n} tokens, but the open piece holds {len(last.ids) if last else 0}"
+            )
+        self.lm.rollback(track.cache, len(track.cache.ids) - n)
+        track.pieces[-1] = Piece(last.key, last.ids[:-n])
+
     def mark(self, track: Track) -> TrackMark:
         """Where a track stands now, for `restore` (a batch that failed part way)."""
         c = track.cache

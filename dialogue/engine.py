@@ -92,6 +92,11 @@ class DrafterOptions:
     #: with its own scale: their tokens then equal one-by-one decoding's, at a cost in throughput;
     #: off, a batch shares one scale and a near-tie may decode differently than alone
     per_session_quant: bool = False
+    #: who decides what of a draft is spoken: "exact" (the slow model reads the draft in one forward
+    #: and only the tokens it would have chosen itself are kept, then it goes on from its own next
+    #: token: the answer is the slow model's, started sooner) or "verifier" (the learned verifier
+    #: commits a draft's first words or none, and the slow model continues them)
+    relay_check: str = "verifier"
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], what: str = "drafter") -> DrafterOptions:
@@ -371,6 +376,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         t0 = time.perf_counter()
         relay_info: RelayInfo | None = None
         prefill = 0
+        checked = False  # the slow model has read (and kept what it agrees with of) the draft
         if step.messages is not None:
             self._close_remote(state)
             msgs = [m for m in step.messages if m.get("role") != "system"]
@@ -380,7 +386,10 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             relay = self.drafter_options.relay if getattr(step, "relay", None) is None else bool(step.relay)
             if relay and self.drafter is not None and self.verifier is not None and state.drafter is not None:
                 relay_info = self._draft(state, msgs, getattr(step, "commit", None))
-                if relay_info.committed:
+                if self._exact_relay(step):
+                    relay_info, prefill = self._check_draft(state, relay_info)
+                    checked = True
+                elif relay_info.committed:
                     from dialogue.verifier import prefix_ends_word
 
                     state.prefix = relay_info.prefix
@@ -401,7 +410,11 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         if self.remote is not None:
             text, n = self._remote_step(state, step.max_tokens)
         else:
-            if state.messages is not None and (step.messages is not None or not state.answer_live):
+            if (
+                not checked
+                and state.messages is not None
+                and (step.messages is not None or not state.answer_live)
+            ):
                 prefill = self._slow_sync(state)
             words = int(getattr(step, "phrase_words", 0) or 0) if step.messages is not None else 0
             if words:
@@ -409,14 +422,16 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
                 # and cost a whole further step before the first audio
                 from duplex.base.phrases import first_phrase_ready
 
-                text, n = "", 0
+                text, n = (self._emit(state), len(state.response_ids)) if checked else ("", 0)
                 while not (
                     state.done or n >= FIRST_PHRASE_MAX_TOKENS or first_phrase_ready(text, False, words)
                 ):
                     delta, k = self._slow_decode(state, 1)
                     text, n = text + delta, n + k
             else:
+                head = self._emit(state) if checked else ""
                 text, n = self._slow_decode(state, step.max_tokens)
+                text, n = head + text, n + (len(state.response_ids) if checked else 0)
         text = _after_seam(state, text)
         t2 = time.perf_counter()
         timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0}
@@ -425,6 +440,63 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         return RespondOutput(text, state.done, n, prefill, timings, relay_info)
 
     # -- relay ------------------------------------------------------------------------------
+
+    def _exact_relay(self, step: Any) -> bool:
+        """The slow model checks the draft (rather than the verifier): in-process slow model, and
+        no commit forced by an evaluation."""
+        return (
+            self.drafter_options.relay_check == "exact"
+            and self.slow is not None
+            and getattr(step, "commit", None) is None
+        )
+
+    def _check_draft(self, state: DialogueState, info: RelayInfo) -> tuple[RelayInfo, int]:
+        """Speculative check of the draft by the slow model: prefill to the answer's start, read the
+        draft's words (in the slow model's tokens) in one forward, keep the longest run of tokens the
+        slow model picks itself, and queue its own pick after them. The answer is then token for
+        token the slow model's greedy answer; the draft only saves the sequential steps it got right.
+        Returns (what was kept, as RelayInfo; tokens prefilled)."""
+        from dialogue.verifier import prefix_text
+
+        assert self.slow is not None and state.slow is not None and state.messages is not None
+        conv, track = self.slow, state.slow
+        prefill = self._slow_sync(state)  # the answer's start: state.prefix is "" here
+        first = track.cache.logits
+        assert first is not None
+        words = prefix_text(info.draft, ended=info.ended, max_words=self.drafter_options.draft_words)
+        head = conv.renderer.answer_ids("")
+        full = conv.renderer.answer_ids(words) if words.strip() else head
+        draft_ids = full[len(head) :] if full[: len(head)] == head else []
+        picks = [int(torch.argmax(first))]
+        if draft_ids:
+            picks += conv.append_checked(track, draft_ids)
+        kept = 0
+        while kept < len(draft_ids) and draft_ids[kept] == picks[kept]:
+            kept += 1
+        conv.take_back(track, len(draft_ids) - kept)
+        state.response_ids = list(draft_ids[:kept])
+        state.pending = []
+        nxt = picks[kept]
+        if nxt in self.slow_stop:
+            state.done = True
+        else:
+            state.response_ids.append(nxt)
+            state.pending = [nxt]
+            if len(state.response_ids) >= self.slow_options.max_new_tokens:
+                state.done = True
+        state.answer_live = True
+        prefix = self.slow_tokenizer.decode(draft_ids[:kept], skip_special_tokens=True)
+        checked = RelayInfo(
+            info.draft,
+            prefix,
+            kept / len(draft_ids) if draft_ids else 0.0,
+            kept > 0,
+            info.draft_s,
+            info.ended,
+            info.threshold,
+            info.veto,
+        )
+        return checked, prefill
 
     def relay_draft(self, history: list[dict[str, str]], text: str) -> RelayInfo:
         """The relay's draft of an answer to `text` after `history`, with the verifier's score, as the

@@ -467,3 +467,42 @@ def test_first_step_decodes_until_the_first_phrase_and_the_answer_is_unchanged(t
         out, state = stage.step(state, RespondStep(None, 4))
         text += out.text
     assert text == plain  # how the steps are cut does not change the answer
+
+
+@pytest.mark.parametrize("same", [True, False])
+@pytest.mark.parametrize("phrase_words", [3, 0])
+def test_exact_relay_speaks_the_slow_models_own_answer_sooner(tokenizer, same, phrase_words):
+    """relay_check "exact": the slow model reads the draft in one forward and keeps only the tokens it
+    would have picked itself, so the answer is the slow-only answer token for token, whatever the
+    drafter said; a drafter that agrees saves the slow model's sequential steps."""
+    slow = tiny("qwen2", len(tokenizer), 4)
+    drafter = slow if same else tiny("llama", len(tokenizer), 5)
+    opts = SlowOptions(system_prompt=SYSTEM, max_new_tokens=16)
+    msgs = [{"role": "user", "content": "what is the capital of france"}]
+    slow_only, _ = DialogueStage(slow, tokenizer, opts).generate(msgs, relay=False)
+    stage = DialogueStage(
+        slow,
+        tokenizer,
+        opts,
+        drafter,
+        tokenizer,
+        DrafterOptions(draft_words=3, relay_check="exact"),
+        _Heads(),
+        None,
+        _Verifier(0.0),  # the learned verifier would discard every draft: it is not asked
+        0.5,
+    )
+    state = stage.init_state()
+    _, state = stage.step(state, ListenStep([], "what is the capital of france"))
+    out, state = stage.step(state, RespondStep(msgs, 4, phrase_words=phrase_words))
+    info = out.relay
+    assert info is not None and info.draft
+    text = out.text
+    while not out.done:
+        out, state = stage.step(state, RespondStep(None, 4))
+        text += out.text
+    assert text == slow_only
+    assert slow_only.startswith(info.prefix)
+    if same:  # the drafter is the slow model: its draft is kept (up to where the tiny model's byte
+        # soup stops surviving a decode and re-encode)
+        assert info.committed and info.p_accept > 0 and info.prefix
