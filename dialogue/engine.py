@@ -116,6 +116,8 @@ def _options(cls: Any, raw: Mapping[str, Any], what: str) -> Any:
             raise ConfigError(f"{what}: {name} must be >= 1")
     if int(opts.window_tokens) < 128:
         raise ConfigError(f"{what}: window_tokens must be >= 128")
+    if getattr(opts, "relay_check", "exact") not in ("exact", "verifier"):
+        raise ConfigError(f"{what}: relay_check must be exact or verifier, got {opts.relay_check!r}")
     return opts
 
 
@@ -444,11 +446,8 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
     def _exact_relay(self, step: Any) -> bool:
         """The slow model checks the draft (rather than the verifier): in-process slow model, and
         no commit forced by an evaluation."""
-        return (
-            self.drafter_options.relay_check == "exact"
-            and self.slow is not None
-            and getattr(step, "commit", None) is None
-        )
+        check = getattr(step, "relay_check", None) or self.drafter_options.relay_check
+        return check == "exact" and self.slow is not None and getattr(step, "commit", None) is None
 
     def _check_draft(self, state: DialogueState, info: RelayInfo) -> tuple[RelayInfo, int]:
         """Speculative check of the draft by the slow model: prefill to the answer's start, read the

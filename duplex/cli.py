@@ -274,6 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--sample-every", type=float, default=30.0, help="with --soak: seconds between the server's samples"
     )
     b.add_argument(
+        "--compare-relay",
+        action="store_true",
+        help="the same conversation three times on one server: relay off, checked exactly by the slow "
+        "model, checked by the learned verifier (OUT/relay-*/ and OUT/compare-relay.txt)",
+    )
+    b.add_argument(
         "--calibrate",
         action="store_true",
         help="with --sessions: record the largest N within every target as this device's capacity "

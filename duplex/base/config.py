@@ -59,6 +59,9 @@ class SessionOptions:
     backchannel_interval_ms: int = 6000
     #: fast drafter + verifier start each answer (false: the slow model answers alone)
     relay: bool = True
+    #: how the relay's draft is checked: "exact" or "verifier" (dialogue.engine.DrafterOptions);
+    #: "" = the profile's drafter option
+    relay_check: str = ""
     #: a streaming ASR's end-of-utterance signal (its decoder heard no word for `eou_silence_ms`)
     #: pauses the turn at the last word even where the VAD still hears sound (a hum, a noisy room)
     asr_end_of_utterance: bool = True
@@ -75,6 +78,7 @@ class SessionOptions:
         "max_backchannel_ms",
         "backchannels",
         "relay",
+        "relay_check",
         "asr_end_of_utterance",
     )
     _BOOLEAN = ("backchannels", "relay", "asr_end_of_utterance")
@@ -91,6 +95,10 @@ class SessionOptions:
                 if not isinstance(value, (int, float)) or not 0.05 <= float(value) <= 0.95:
                     raise ConfigError("vad_threshold must be a number in [0.05, 0.95]")
                 clean[key] = float(value)
+            elif key == "relay_check":
+                if value not in ("", "exact", "verifier"):
+                    raise ConfigError('relay_check must be "exact", "verifier" or "" (the profile\'s)')
+                clean[key] = value
             elif key in self._BOOLEAN:
                 if not isinstance(value, bool):
                     raise ConfigError(f"{key} must be true or false")

@@ -121,6 +121,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if transports:
             return _bench_transports(url, transports, audiosocket, args, tones, synth)
+        if getattr(args, "compare_relay", False):
+            return _compare_relay(url, args, synth, options, seed, voice, cases)
         result = asyncio.run(
             run_bench(
                 url,
@@ -394,3 +396,73 @@ def _calibrate(args: argparse.Namespace, result: dict[str, Any]) -> None:
     }
     record_capacity(profile, n, evidence)
     print(f"capacity of profile {profile!r} on this device: {n} sessions (recorded in {capacity_file()})")
+
+
+#: the relay variants `--compare-relay` runs on one server, one after another, with the same plan
+RELAY_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("relay-off", {"relay": False}),
+    ("relay-exact", {"relay": True, "relay_check": "exact"}),
+    ("relay-verifier", {"relay": True, "relay_check": "verifier"}),
+)
+
+
+def _compare_relay(
+    url: str,
+    args: argparse.Namespace,
+    synth: Any,
+    options: dict[str, Any],
+    seed: int,
+    voice: str,
+    cases: dict[str, int],
+) -> int:
+    """--compare-relay: the same conversation with the relay off, checked exactly, and checked by the
+    learned verifier, each in its own session on the same server; one results folder per variant
+    (OUT/relay-*) and a table of what each buys: onset, facts right, wrong facts from a draft."""
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for name, variant in RELAY_VARIANTS:
+        print(f"\n== {name}: {variant}", flush=True)
+        result = asyncio.run(
+            run_bench(
+                url,
+                args.turns,
+                args.barge_ins,
+                synth,
+                out_dir=Path(args.out) / name,
+                session_options={**options, **variant},
+                seed=seed,
+                voice=voice,
+                **cases,
+            )
+        )
+        print(format_table(result))
+        rows.append((name, result["summary"]))
+    lines = [
+        "",
+        f"{'variant':<16}{'onset P50':>10}{'P90':>8}{'n':>5}{'facts':>9}{'from draft':>12}"
+        f"{'pauses taken':>14}{'memory':>9}{'drafts kept':>13}",
+    ]
+    for name, sm in rows:
+        on = sm.get("onset_s") or {}
+        facts = sm.get("facts") or {}
+        pauses = sm.get("pause_takeover") or {}
+        memory = sm.get("memory") or {}
+
+        def ms(x: Any) -> str:
+            return "-" if x is None else f"{1000 * x:.0f}"
+
+        def rate(d: dict[str, Any], key: str = "rate") -> str:
+            return "-" if not d or d.get(key) is None else f"{100 * d[key]:.0f} %"
+
+        lines.append(
+            f"{name:<16}{ms(on.get('p50')):>10}{ms(on.get('p90')):>8}{on.get('n', 0):>5}{rate(facts):>9}"
+            f"{facts.get('wrong_from_draft', '-')!s:>12}{rate(pauses):>14}{rate(memory):>9}"
+            f"{sm.get('relay_committed', 0)!s:>6}/{sm.get('relay_drafted', 0)!s:<6}"
+        )
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare-relay.txt").write_text(table.strip() + "\n")
+    (out / "compare-relay.json").write_text(json.dumps({n: sm for n, sm in rows}, indent=1, default=str))
+    print(f"\nwrote {out / 'compare-relay.txt'} and {out / 'compare-relay.json'}")
+    return 0

@@ -704,6 +704,7 @@ class SessionCore:
                 self.first_step_tokens,
                 self.options.relay,
                 phrase_words=self.stages.phrase_words,
+                relay_check=self.options.relay_check or None,
             )
             label = "llm.first"
         else:

@@ -294,6 +294,7 @@ class ScriptedTurnLlm(ScriptedLlm):
         self.overlap_fn = overlap_fn
         self.listened: list[str] = []  # every text the turn head saw, in order
         self.relays: list[bool] = []  # the relay flag of every answer
+        self.relay_checks: list[str | None] = []  # ... and how its draft is checked
 
     def step(self, state: ScriptedLlmState, chunk: Any) -> tuple[Any, ScriptedLlmState]:
         if isinstance(chunk, ListenStep):
@@ -304,6 +305,7 @@ class ScriptedTurnLlm(ScriptedLlm):
             return OverlapOutput(p, p >= 0.5), state
         if chunk.messages is not None:
             self.relays.append(chunk.relay)
+            self.relay_checks.append(chunk.relay_check)
         return super().step(state, chunk)
 
 

@@ -268,3 +268,34 @@ async def test_a_turn_head_waits_through_the_pause(tmp_path) -> None:
     # nothing asked, nothing reported
     assert result["summary"]["facts"]["n"] == 0 and result["summary"]["memory"]["rate"] is None
     assert "facts:" not in format_table(result)
+
+
+def test_compare_relay_runs_each_variant_on_one_server(tmp_path) -> None:
+    """--compare-relay: the same plan in three sessions (relay off / exact / verifier) on one server;
+    each variant's options reach the session, and one table compares them."""
+    import argparse
+
+    from duplex.bench import cli as bench_cli
+    from duplex.bench.common import InProcessServer
+    from duplex.testing.fakes import fake_turn_stages
+
+    stages = fake_turn_stages(remembering)
+    service = DuplexService(load_profile("cpu"), stages)
+    server = InProcessServer(service)
+    url = server.start()
+    args = argparse.Namespace(turns=1, barge_ins=0, out=str(tmp_path))
+    try:
+        rc = bench_cli._compare_relay(
+            url, args, tone_synth, {}, 0, "hibari", {"facts": 0, "pauses": 0, "memory": 0}
+        )
+    finally:
+        server.stop()
+        service.close()
+    assert rc == 0
+    assert stages.llm.relays == [False, True, True]
+    assert stages.llm.relay_checks == [None, "exact", "verifier"]
+    table = (tmp_path / "compare-relay.txt").read_text()
+    assert all(name in table for name in ("relay-off", "relay-exact", "relay-verifier"))
+    assert all(
+        (tmp_path / name / "bench.json").is_file() for name in ("relay-off", "relay-exact", "relay-verifier")
+    )

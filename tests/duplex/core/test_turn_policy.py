@@ -178,6 +178,17 @@ def test_backchannels_can_be_switched_off_and_relay_flag_reaches_the_llm():
     result = replay(core, clock, audio, COSTS)
     assert not result.events("backchannel")
     assert stages.llm.relays and set(stages.llm.relays) == {False}
+    # and a session's choice of draft check reaches it too ("" leaves it to the profile)
+    core, clock, stages = make_core(relay_check="exact")
+    replay(
+        core, clock, np.concatenate([silence(0.5), tone_speech("what is two plus four"), silence(3)]), COSTS
+    )
+    assert stages.llm.relay_checks == ["exact"]
+    core, clock, stages = make_core()
+    replay(
+        core, clock, np.concatenate([silence(0.5), tone_speech("what is two plus four"), silence(3)]), COSTS
+    )
+    assert stages.llm.relay_checks == [None]
 
 
 def test_answer_audio_is_held_at_once_and_resumed_after_a_backchannel():
@@ -305,3 +316,13 @@ def test_confident_end_rule():
     assert not policy.confident_end((0.05, 0.60, 0.35))  # a backchannel point waits longer
     assert not policy.confident_end((0.70, 0.10, 0.20))  # listen
     assert not TurnPolicy(0.5, 0.7, 0.5, take_threshold=0.6).confident_end((0.0, 0.0, 1.0))  # uncalibrated
+
+
+def test_relay_check_option_is_validated():
+    import pytest
+
+    from duplex.base.config import ConfigError, SessionOptions
+
+    assert SessionOptions().with_overrides({"relay_check": "verifier"}).relay_check == "verifier"
+    with pytest.raises(ConfigError):
+        SessionOptions().with_overrides({"relay_check": "maybe"})
