@@ -125,6 +125,11 @@ class BatchStream(torch.utils.data.Dataset):
         return [batches[i] for i in order]
 
 
+#: last.pt is rewritten at least this often (the panel checkpoints come every `--every` steps, which
+#: on a loaded machine can be far more than 10 minutes apart)
+SAVE_EVERY_S = 480.0
+
+
 def _ignore_stop_signals(_worker: int) -> None:
     """The data worker leaves SIGTERM/SIGINT to the trainer, which saves before stopping (a signal sent
     to the whole process group would otherwise kill the worker and the trainer with it, unsaved)."""
@@ -638,6 +643,9 @@ def train_pool(
         torch.save(state, str(ckpt_path) + ".tmp")
         os.replace(str(ckpt_path) + ".tmp", ckpt_path)
         meta_path.write_text(json.dumps(meta, indent=1))
+        saved["t"] = time.monotonic()
+
+    saved = {"t": time.monotonic()}
 
     def check() -> str | None:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, run / f"ckpt-{step}.pt")
@@ -767,6 +775,8 @@ def train_pool(
                 print(verdict, flush=True)
                 meta["killed"] = verdict
                 break
+        if time.monotonic() - saved["t"] >= SAVE_EVERY_S:  # a loaded machine: steps come slowly
+            save()
     save()
     print(f"stopped at step {step}; resume with the same command", flush=True)
     return 3 if verdict else 0
