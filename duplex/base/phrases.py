@@ -81,7 +81,8 @@ class PhraseState:
 
 
 class PhraseSegmenter:
-    """Decides when a phrase is ready: the first after `first_phrase_words` words, later ones at punctuation."""
+    """Decides when a phrase is ready: at punctuation, or after `first_phrase_words` words for the first
+    phrase and twice as many for each next one, up to `max_phrase_words`."""
 
     def __init__(self, first_phrase_words: int = 3, max_phrase_words: int = 12) -> None:
         if first_phrase_words < 1 or max_phrase_words < 1:
@@ -94,9 +95,10 @@ class PhraseSegmenter:
 
     def _cut(self, text: str, emitted: int) -> int | None:
         """End index of the next phrase in `text` (leading whitespace stripped), or None if not ready."""
-        limit = self.max_phrase_words
-        if emitted == 0:
-            limit = min(limit, self.first_phrase_words)
+        # the first phrase after `first_phrase_words` words, then twice as many each time up to
+        # `max_phrase_words` (3, 6, 12): the next phrase is ready before the short one before it has
+        # played, so the audio does not wait for the LLM to write a long second phrase
+        limit = min(self.max_phrase_words, self.first_phrase_words * 2 ** min(emitted, 8))
         words = 0
         ends: list[int] = []  # end index of each word so far
         opens: list[bool] = []  # whether each word opens a phrase
