@@ -61,9 +61,13 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.tones:
+            import dataclasses
+
             from duplex.base.config import load_profile
             from duplex.testing.fakes import fake_stages, scripted_answer
 
+            # the tone stages cost nothing: a capacity measured for the models does not apply
+            limits = dataclasses.replace(limits, max_sessions_auto=False)
             service = DuplexService(load_profile(args.profile), fake_stages(scripted_answer), limits=limits)
         else:
             service = DuplexService.load(args.profile, progress=True, limits=limits)

@@ -312,9 +312,12 @@ def _bench_load(args: argparse.Namespace) -> int:
             # models.yaml's limits, as `duplex serve` has them (a 503 past max_sessions is a result),
             # but every caller comes from this one address: the per-address limit would refuse them
             base = load_limits()
-            limits = ServiceLimits(**vars(base)).with_overrides(
-                {"max_connections_per_client": max(base.max_connections_per_client, max(counts) + 1)}
-            )
+            overrides: dict[str, Any] = {
+                "max_connections_per_client": max(base.max_connections_per_client, max(counts) + 1)
+            }
+            if base.max_sessions_auto:  # measuring the capacity: `auto` must not cap it
+                overrides["max_sessions"] = max(counts)
+            limits = ServiceLimits(**vars(base)).with_overrides(overrides)
         except ConfigError as exc:
             print(f"duplex bench: limits: {exc}", file=sys.stderr)
             return 2
