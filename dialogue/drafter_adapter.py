@@ -147,12 +147,14 @@ def adapter_sha256(path: Path | None) -> str | None:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def load_drafter(weights: Any, dtype: str, adapter: Path | None, progress: bool = True) -> tuple[Any, Any]:
-    """The drafter as the engine runs it: base weights (models.yaml), adapter merged, then `dtype`."""
+def load_drafter(
+    weights: Any, dtype: str, adapter: Path | None, progress: bool = True, device: str = "cpu"
+) -> tuple[Any, Any]:
+    """The drafter as the engine runs it: base weights (models.yaml), adapter merged, then `dtype` on `device`."""
     from dialogue import llm_weights
 
     if adapter is None:
-        return llm_weights.load(weights, dtype, progress=progress)
+        return llm_weights.load(weights, dtype, progress=progress, device=device, what="drafter")
     read_adapter_info(adapter)  # a missing adapter fails before the base model is loaded
     sha = llm_weights.LlmWeights.from_config(weights).sha256
     return llm_weights.load(
@@ -160,6 +162,8 @@ def load_drafter(weights: Any, dtype: str, adapter: Path | None, progress: bool 
         dtype,
         progress=progress,
         before_quantize=lambda m: apply_adapter(m, adapter, base_sha256=sha),
+        device=device,
+        what="drafter",
     )
 
 

@@ -97,6 +97,8 @@ class DrafterOptions:
     #: token: the answer is the slow model's, started sooner) or "verifier" (the learned verifier
     #: commits a draft's first words or none, and the slow model continues them)
     relay_check: str = "verifier"
+    #: where the drafter, the turn heads and the verifier run: "cpu", "cuda" or "cuda:N" (as `llm`'s)
+    device: str = "cpu"
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], what: str = "drafter") -> DrafterOptions:
@@ -111,6 +113,7 @@ def _options(cls: Any, raw: Mapping[str, Any], what: str) -> Any:
     opts = cls(**dict(raw))
     if getattr(opts, "dtype", "float32") not in llm_weights.DTYPES:
         raise ConfigError(f"{what}: dtype {opts.dtype!r} is not one of {', '.join(llm_weights.DTYPES)}")
+    llm_weights.check_device(opts.device, opts.dtype, what)
     for name in ("max_new_tokens", "first_step_tokens", "step_tokens", "draft_words", "draft_tokens"):
         if hasattr(opts, name) and int(getattr(opts, name)) < 1:
             raise ConfigError(f"{what}: {name} must be >= 1")
@@ -543,8 +546,8 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         thr = self.verifier_threshold if rolling is None else rolling.threshold()
         if hidden and prefix.strip():
             hs = torch.stack(hidden)[None]
-            st = torch.tensor(stats, dtype=torch.float32)[None]
-            mask = torch.ones(1, len(stats))
+            st = torch.tensor(stats, dtype=torch.float32, device=hs.device)[None]
+            mask = torch.ones(1, len(stats), device=hs.device)
             p = float(self.verifier(hs, st, mask)[0])
             if rolling is not None and force is None:
                 rolling.observe(p)
@@ -766,7 +769,9 @@ def load_dialogue_stage(
         slow_options = SlowOptions(system_prompt=ropts.system_prompt, max_new_tokens=ropts.max_tokens)
     elif llm.backend in ("transformers-gguf", "transformers"):
         slow_options = SlowOptions.from_mapping(llm.options)
-        slow_model, slow_tok = llm_weights.load(llm.weights, slow_options.dtype, progress=progress)
+        slow_model, slow_tok = llm_weights.load(
+            llm.weights, slow_options.dtype, progress=progress, device=slow_options.device, what="llm"
+        )
     else:
         raise ConfigError(
             f"llm: backend {llm.backend!r} is not one of transformers-gguf, transformers, openai-chat"
@@ -780,6 +785,8 @@ def load_dialogue_stage(
                 f"drafter: backend {drafter.backend!r} is not one of transformers-gguf, transformers"
             )
         d_opts = DrafterOptions.from_mapping(drafter.options)
+        # before the heads, verifier and weights are read: a GPU profile on a CPU-only host fails here
+        d_device = llm_weights.require_device(d_opts.device, "drafter")
         from dialogue.drafter_adapter import adapter_path, check_trained_with, load_drafter
         from dialogue.turn_taking import load_turn_heads
         from dialogue.verifier import load_verifier
@@ -803,7 +810,11 @@ def load_dialogue_stage(
                 int(trained_words),
                 int(trained_words),
             )
-        d_model, d_tok = load_drafter(drafter.weights, d_opts.dtype, adapter, progress=progress)
+        d_model, d_tok = load_drafter(
+            drafter.weights, d_opts.dtype, adapter, progress=progress, device=d_opts.device
+        )
+        # the heads and the verifier read the drafter's hidden states where they are computed
+        heads, verifier = heads.to(d_device), verifier.to(d_device)
         threshold, rolling = verifier_operating_point(verifier_meta, d_opts.verifier_threshold)
     stage = DialogueStage(
         slow_model, slow_tok, slow_options, d_model, d_tok, d_opts, heads, policy, verifier, threshold, remote

@@ -405,9 +405,10 @@ def decoder_hidden(
     dec = FastDecoder.for_model(model)
     if dec is not None:
         return dec.forward(cache, ids, pos)
-    positions = torch.arange(pos, pos + len(ids))
+    device = model.model.embed_tokens.weight.device
+    positions = torch.arange(pos, pos + len(ids), device=device)
     out = model.model(
-        input_ids=torch.tensor([list(ids)], dtype=torch.long),
+        input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device),
         past_key_values=cache,
         use_cache=True,
         cache_position=positions,

@@ -34,6 +34,9 @@ class LlmOptions:
     threads: int | None = None
     #: the session KV cache window of the dialogue engine (dialogue/engine.py); unused here
     window_tokens: int = 1536
+    #: where the model runs: "cpu", "cuda" or "cuda:N" (CUDA wants dtype bfloat16 or float16;
+    #: int8-dynamic is CPU-only); a missing GPU fails at load, never falls back silently
+    device: str = "cpu"
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> LlmOptions:
@@ -45,6 +48,7 @@ class LlmOptions:
         opts = cls(**dict(raw))
         if opts.dtype not in llm_weights.DTYPES:
             raise ConfigError(f"llm: dtype {opts.dtype!r} is not one of {', '.join(llm_weights.DTYPES)}")
+        llm_weights.check_device(opts.device, opts.dtype, "llm")
         for name in ("max_new_tokens", "first_step_tokens", "step_tokens"):
             if int(getattr(opts, name)) < 1:
                 raise ConfigError(f"llm: {name} must be >= 1")
