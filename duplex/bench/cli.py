@@ -136,17 +136,10 @@ def main(args: argparse.Namespace) -> int:
                 **cases,
             )
         )
-    except BenchError as exc:
-        print(f"duplex bench: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("duplex bench: interrupted", file=sys.stderr)
-        return 130
+    except (BenchError, KeyboardInterrupt) as exc:
+        return _failed(exc)
     finally:
-        if server is not None:
-            server.stop()
-        if service is not None:
-            service.close()
+        _stop_serving(server, service)
     print()
     print(format_table(result))
     print(f"\nwrote {Path(args.out) / 'bench.json'} and {Path(args.out) / 'bench.png'}")
@@ -356,23 +349,33 @@ def _bench_load(args: argparse.Namespace) -> int:
             t = result["totals"]
             return 1 if (t["sessions_failed"] or t["leaked_frames"]) else 0
         result = asyncio.run(run_load(url, counts, args.turns, args.barge_ins, synth, args.out, **common))
-    except BenchError as exc:
-        print(f"duplex bench: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("duplex bench: interrupted", file=sys.stderr)
-        return 130
+    except (BenchError, KeyboardInterrupt) as exc:
+        return _failed(exc)
     finally:
-        if server is not None:
-            server.stop()
-        if service is not None:
-            service.close()
+        _stop_serving(server, service)
     print()
     print(format_load_table(result))
     print(f"\nwrote {Path(args.out) / 'load.json'} and {Path(args.out) / 'load.png'}")
     if getattr(args, "calibrate", False):
         _calibrate(args, result)
     return 1 if any(lv["errors"] or lv["lost"] or lv["leaked_frames"] for lv in result["levels"]) else 0
+
+
+def _failed(exc: BaseException) -> int:
+    """The exit status (and message) of a bench run that could not finish."""
+    if isinstance(exc, KeyboardInterrupt):
+        print("duplex bench: interrupted", file=sys.stderr)
+        return 130
+    print(f"duplex bench: {exc}", file=sys.stderr)
+    return 2
+
+
+def _stop_serving(server: InProcessServer | None, service: Any) -> None:
+    """Stop the in-process server (`--serve`) and close its service, if one was started."""
+    if server is not None:
+        server.stop()
+    if service is not None:
+        service.close()
 
 
 def _calibrate(args: argparse.Namespace, result: dict[str, Any]) -> None:
