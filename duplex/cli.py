@@ -1,4 +1,4 @@
-"""The `duplex` command: serve, talk, models, bench."""
+"""The `duplex` command: serve, talk, say, codec, models, bench, eval."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -121,6 +122,40 @@ def _talk(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _say(args: argparse.Namespace) -> int:
+    from duplex.base.config import ConfigError, load_profile
+    from duplex.base.errors import ModelError
+    from tts.say import SayError, render, write
+
+    try:
+        profile = load_profile(args.profile)
+        text = " ".join(args.text)
+        r = render(profile, text)
+        write(args.out, r.audio, r.sample_rate)
+    except (ConfigError, ModelError, SayError) as exc:
+        print(f"duplex say: {exc}", file=sys.stderr)
+        return 2
+    backend = profile.component("tts").backend
+    print(
+        f"wrote {args.out}: {r.seconds:.2f} s at {r.sample_rate} Hz, {r.chunks} chunks ({backend}, profile "
+        f"{profile.name}); first audio after {1000 * r.first_chunk_s:.0f} ms, {r.compute_s:.2f} s of compute "
+        f"(RTF {r.compute_s / max(r.seconds, 1e-9):.2f})"
+    )
+    return 0
+
+
+def _codec(args: argparse.Namespace) -> int:
+    from codec.tool import CodecToolError, main
+
+    try:
+        for line in main(args.codec_command, args.input, args.out, args.weights):
+            print(line)
+    except CodecToolError as exc:
+        print(f"duplex codec: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.asr:
         from duplex.bench.asr import run as bench_asr
@@ -214,6 +249,27 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--prepare", action="store_true", help="build caches (LLM conversion) with a progress bar")
     m.add_argument("--verify", action="store_true", help="hash the weights against models.yaml")
     m.set_defaults(func=_models)
+
+    y = sub.add_parser("say", help="render text with a profile's voice to a WAV file")
+    y.add_argument("text", nargs="+", help="what to say")
+    y.add_argument("--out", type=Path, required=True, help="the WAV file to write")
+    y.add_argument(
+        "--profile", default=None, help="models.yaml profile (cpu: hibari; cpu-flow: the own voice)"
+    )
+    y.set_defaults(func=_say)
+
+    c = sub.add_parser("codec", help="a WAV file through the FSQ speech codec: encode, decode, round trip")
+    csub = c.add_subparsers(dest="codec_command", required=True)
+    for name, what, src, out in (
+        ("encode", "WAV -> codes (.npz)", "a WAV file (any rate)", "the .npz codes file to write"),
+        ("decode", "codes (.npz) -> WAV", "a .npz file from `duplex codec encode`", "the WAV file to write"),
+        ("roundtrip", "WAV -> codes -> WAV", "a WAV file (any rate)", "the WAV file to write"),
+    ):
+        cc = csub.add_parser(name, help=f"{what}; prints the bitrate and the codes used")
+        cc.add_argument("input", type=Path, help=src)
+        cc.add_argument("--out", type=Path, required=True, help=out)
+        cc.add_argument("--weights", type=Path, default=None, help="codec file (default: codec/weights)")
+        cc.set_defaults(func=_codec)
 
     b = sub.add_parser("bench", help="stream synthesised turns to a running server; P50/P90/P99 by stage")
     b.add_argument("--url", default="ws://127.0.0.1:8765/v1/duplex")
@@ -317,6 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_asr_arguments(ea)
     ea.set_defaults(func=_eval_asr)
+    et = esub.add_parser(
+        "tts", help="the own voice vs hibari: WER (Moonshine), codec ceiling, first-chunk cost, a plot"
+    )
+    from duplex.eval.tts import add_arguments as add_eval_tts_arguments
+
+    add_eval_tts_arguments(et)
+    et.set_defaults(func=_eval_tts)
     ee = esub.add_parser(
         "eot", help="predictive end of turn: wait vs takeover by the turn head's confidence (a curve)"
     )
@@ -339,6 +402,12 @@ def _sessions_arg(value: str) -> int | str:
 
 def _eval_eot(args: argparse.Namespace) -> int:
     from duplex.eval.eot import run
+
+    return run(args)
+
+
+def _eval_tts(args: argparse.Namespace) -> int:
+    from duplex.eval.tts import run
 
     return run(args)
 

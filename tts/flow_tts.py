@@ -194,6 +194,7 @@ class FlowTtsStage:
         self.steps, self.seed, self.speed, self.snap = int(steps), int(seed), float(speed), bool(snap)
         self.chunk = int(chunk or model.cfg.chunk)
         self.segmenter = PhraseSegmenter(first_phrase_words, max_phrase_words)
+        self.meta: dict = {}  # the weights' metadata (step, data, command) when loaded from a folder
         levels = torch.tensor(codec.fsq.levels, dtype=torch.float32).repeat(codec.fsq.groups)
         self._half = torch.div(levels, 2, rounding_mode="floor")
         self._lo, self._hi = -torch.ones_like(levels), (levels - 1 - self._half) / self._half
@@ -341,16 +342,17 @@ def load_flow_model(path: Path) -> tuple[FlowModel, dict]:
     return model.eval(), meta
 
 
-def load_flow_tts_stage(cfg: ComponentConfig) -> FlowTtsStage:
-    """Build the stage from the models.yaml `tts` component (backend `flow`)."""
-    if cfg.backend != "flow":
-        raise ConfigError(f"component {cfg.name!r}: unknown TTS backend {cfg.backend!r} for the flow stage")
-    from codec.speech_codec import load_codec
-
+def _flow_files(cfg: ComponentConfig) -> tuple[Path, Path, dict]:
+    """(weights folder, codec file, metadata) for a `flow` component, checked: both present, codec's sha256."""
     path = Path(cfg.weights.get("path", WEIGHTS_DIR))  # {shipped: true} (or nothing): tts/weights
     if not path.is_absolute() and not path.is_dir():
         path = Path(__file__).resolve().parents[1] / path
-    model, meta = load_flow_model(path)
+    meta_path = path / "flow_model.json"
+    if not (path / "flow_model.safetensors").is_file() or not meta_path.is_file():
+        raise ModelError(
+            f"flow TTS weights not found in {path} (flow_model.safetensors + flow_model.json); {TRAIN_HINT}"
+        )
+    meta = json.loads(meta_path.read_text())
     codec_path = Path(cfg.weights.get("codec", meta.get("codec_file", CODEC_WEIGHTS)))
     if not codec_path.is_absolute():  # relative to the weights folder, else to the repository
         inside = path / codec_path
@@ -370,8 +372,26 @@ def load_flow_tts_stage(cfg: ComponentConfig) -> FlowTtsStage:
                 f"the flow model was trained on codec {want[:12]} but {codec_path} is {got[:12]}: retrain it "
                 f"on this codec ({TRAIN_HINT})"
             )
+    return path, codec_path, meta
+
+
+def check_flow_weights(cfg: ComponentConfig) -> tuple[str, str]:
+    """For `duplex models`: (where, what) of a flow component's weights, or ModelError naming what is wrong."""
+    path, codec_path, meta = _flow_files(cfg)
+    size = (path / "flow_model.safetensors").stat().st_size + codec_path.stat().st_size
+    return str(path), f"flow step {meta.get('step', '?')} + codec {codec_path.name} ({size / 1e6:.1f} MB)"
+
+
+def load_flow_tts_stage(cfg: ComponentConfig) -> FlowTtsStage:
+    """Build the stage from the models.yaml `tts` component (backend `flow`)."""
+    if cfg.backend != "flow":
+        raise ConfigError(f"component {cfg.name!r}: unknown TTS backend {cfg.backend!r} for the flow stage")
+    from codec.speech_codec import load_codec
+
+    path, codec_path, _ = _flow_files(cfg)
+    model, meta = load_flow_model(path)
     opts = cfg.options
-    return FlowTtsStage(
+    stage = FlowTtsStage(
         model,
         load_codec(str(codec_path)),
         HibariFrontEnd(),
@@ -383,3 +403,5 @@ def load_flow_tts_stage(cfg: ComponentConfig) -> FlowTtsStage:
         first_phrase_words=int(opts.get("first_phrase_words", 3)),
         max_phrase_words=int(opts.get("max_phrase_words", 12)),
     )
+    stage.meta = meta
+    return stage

@@ -167,6 +167,19 @@ def _check_nemo(cfg: ComponentConfig) -> ComponentReport:
     return ComponentReport(cfg.name, cfg.backend, source, True, f".nemo ({path.stat().st_size / 1e6:.1f} MB)")
 
 
+def _check_flow(cfg: ComponentConfig) -> ComponentReport:
+    """The flow voice: its weights folder, and the codec it was trained on (by sha256)."""
+    from tts.flow_tts import check_flow_weights
+
+    try:
+        source, what = check_flow_weights(cfg)
+    except Exception as exc:  # ModelError / OSError: reported, not raised
+        return ComponentReport(
+            cfg.name, cfg.backend, str(cfg.weights), False, str(exc).split(";")[0], str(exc)
+        )
+    return ComponentReport(cfg.name, cfg.backend, source, True, what)
+
+
 def check_profile(profile: Profile, prepare: bool = False, verify: bool = False) -> list[ComponentReport]:
     reports = []
     for name, cfg in profile.components.items():
@@ -180,6 +193,8 @@ def check_profile(profile: Profile, prepare: bool = False, verify: bool = False)
             reports.append(_check_nemo(cfg))
         elif cfg.backend == "hibari":
             reports.append(_check_package(cfg, "*.onnx"))
+        elif cfg.backend == "flow":
+            reports.append(_check_flow(cfg))
         elif "package" in cfg.weights:
             reports.append(_check_package(cfg, None))
         else:

@@ -35,6 +35,7 @@ from duplex.core.stages import Stages
 from duplex.runtime.executor import DeviceExecutor
 from duplex.runtime.metrics import Metrics
 from duplex.runtime.runner import SessionRunner
+from tts.loading import BACKENDS as TTS_BACKENDS
 
 log = logging.getLogger("duplex.runtime.service")
 
@@ -47,14 +48,14 @@ def build_stages(profile: Profile, progress: bool = True) -> Stages:
     """Load the real stages a profile names (this imports the model packages)."""
     from asr.vad import load_vad_stage
     from dialogue.engine import load_dialogue_stage
-    from tts.hibari_tts import load_tts_stage
+    from tts.loading import load_tts
 
     backends = {name: c.backend for name, c in profile.components.items()}
     expected = {
         "vad": ("silero-onnx",),
         "asr": ("moonshine", "nemo-streaming"),
         "llm": ("transformers-gguf", "openai-chat"),
-        "tts": ("hibari",),
+        "tts": TTS_BACKENDS,
         "drafter": ("transformers-gguf",),
     }
     for name, backend in expected.items():
@@ -66,7 +67,7 @@ def build_stages(profile: Profile, progress: bool = True) -> Stages:
     t0 = time.perf_counter()
     vad = load_vad_stage(profile.component("vad"))
     asr = load_asr(profile.component("asr"))
-    tts = load_tts_stage(profile.component("tts"))
+    tts = load_tts(profile.component("tts"))
     drafter = profile.components.get("drafter")
     llm = load_dialogue_stage(profile.component("llm"), drafter, progress=progress)
     log.info("stages loaded in %.1f s", time.perf_counter() - t0)

@@ -195,6 +195,36 @@ def test_resume_gives_identical_next_loss() -> None:
     assert b.step()["total"] == a.step()["total"]
 
 
+def test_a_run_starts_from_exported_weights(tmp_path) -> None:
+    """What the repository ships (fp16 EMA, no optimiser) is enough to continue training: the new run's
+    model and EMA are the export's, at its step and data position, with the lr warming up again."""
+    from safetensors.torch import save_file
+
+    from tts.training.train_flow import Trainer
+
+    def make() -> Trainer:
+        return Trainer(
+            CFG, synthetic_source, pool_size=12, batch=3, norm_examples=4, warmup=2, log=lambda _: None
+        )
+
+    a = make()
+    a.start()
+    for _ in range(3):
+        a.step()
+    tensors = {k: v.half().contiguous() for k, v in a.ema.state_dict().items() if v.is_floating_point()}
+    save_file(tensors, str(tmp_path / "flow_model.safetensors"))
+    meta = {"config": CFG.to_dict(), "step": a.step_n, "examples_seen": a.pos}
+    (tmp_path / "flow_model.json").write_text(__import__("json").dumps(meta))
+    b = make()
+    b.init_from_export(tmp_path)
+    assert (b.step_n, b.pos, b.rewarm_from) == (3, a.pos, 3)
+    for k, v in b.ema.state_dict().items():
+        assert torch.equal(v, a.ema.state_dict()[k].half().float()), k
+    assert b.lr_at(3) == pytest.approx(b.lr * 0.5 * 0.5 ** (3 / b.lr_halflife))  # warming up again
+    b.start()
+    assert np.isfinite(b.step()["total"]) and b.step_n == 4
+
+
 def test_training_then_euler_sampling_reproduces_a_memorised_target() -> None:
     """The loss, the time convention and the sampler agree: a tiny model that memorises one utterance
     samples it back (chunked, at fixed noise), better with more Euler steps."""

@@ -70,6 +70,16 @@ def latent_target(codec: SpeechCodec, audio: np.ndarray) -> torch.Tensor:
 
 
 # -- teacher examples ---------------------------------------------------------------------------------
+def fragment(text: str, rng: np.random.Generator) -> str:
+    """One phrase of `text` as the TTS stage's segmenter cuts an answer (3, 6, 12 words; before an opener):
+    the live voice speaks such pieces as separate utterances, so the model must learn them too."""
+    from duplex.base.phrases import PhraseSegmenter
+
+    seg = PhraseSegmenter()
+    phrases, _ = seg.step(seg.init_state(), text, True)
+    return str(phrases[int(rng.integers(len(phrases)))]) if phrases else text
+
+
 @dataclass
 class TeacherSource:
     """index -> example: hibari ids [P], durations [P] (25 ms units), latent target [N, D], text."""
@@ -79,6 +89,7 @@ class TeacherSource:
     seed: int = 0
     speed_jitter: float = 0.5  # share of examples spoken at a random speed in [0.85, 1.2]
     threads: int = 1
+    fragments: float = 0.0  # share of examples that are one phrase of the sentence, cut as the stage cuts
 
     def __post_init__(self) -> None:
         from codec.training.hibari_teacher import HibariTeacher
@@ -89,6 +100,8 @@ class TeacherSource:
     def __call__(self, index: int) -> dict:
         rng = np.random.default_rng([self.seed, index])
         text = self.sentences[self.perm[index % len(self.perm)]]
+        if self.fragments and rng.random() < self.fragments:
+            text = fragment(text, rng)
         speed = float(rng.uniform(0.85, 1.2)) if rng.random() < self.speed_jitter else 1.0
         chunks = self.teacher.phonemize(text) or ["ðə."]
         o = self.teacher.run(chunks[0], speed=speed, audio_seed=int(rng.integers(1 << 31)))
@@ -214,6 +227,7 @@ class Trainer:
         self.step_n = 0
         self.pos = 0
         self.norm_ready = False
+        self.rewarm_from = 0  # the lr warms up again from this step (a run started from shipped weights)
 
     def setup_norm(self) -> None:
         y = torch.cat([self.source(i)["y"].float() for i in range(self.norm_examples)])
@@ -233,7 +247,26 @@ class Trainer:
         self.ema.to(self.device)
 
     def lr_at(self, step: int) -> float:
-        return self.lr * min(1.0, (step + 1) / self.warmup) * 0.5 ** (step / self.lr_halflife)
+        warm = min(1.0, (step - self.rewarm_from + 1) / self.warmup)
+        return self.lr * warm * 0.5 ** (step / self.lr_halflife)
+
+    def init_from_export(self, path: Path) -> None:
+        """Start from shipped weights (DIR/flow_model.*: the EMA in fp16, no optimiser): model and EMA from
+        them, the step and data position from their metadata, a fresh optimiser warmed up again."""
+        from safetensors.torch import load_file
+
+        meta = json.loads((path / "flow_model.json").read_text())
+        if meta["config"] != self.cfg.to_dict():
+            raise SystemExit(
+                f"{path}: its model dimensions differ from this run's; start a fresh run instead"
+            )
+        sd = {k: v.float() for k, v in load_file(str(path / "flow_model.safetensors")).items()}
+        self.model.load_state_dict(sd)
+        self.ema.load_state_dict(sd)
+        self.step_n, self.pos, self.norm_ready = int(meta["step"]), int(meta["examples_seen"]), True
+        self.rewarm_from = self.step_n
+        self.rng = np.random.default_rng([self.step_n, 1])
+        self.gen = torch.Generator().manual_seed(self.step_n)
 
     def next_mask(self) -> tuple[int | None, int]:
         if self.rng.random() < self.p_full:
@@ -277,6 +310,7 @@ class Trainer:
             "pos": self.pos,
             "rng": {"numpy": self.rng.bit_generator.state, "torch": self.gen.get_state()},
             "norm_ready": self.norm_ready,
+            "rewarm_from": self.rewarm_from,
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -284,6 +318,7 @@ class Trainer:
         self.ema.load_state_dict(sd["ema"])
         self.opt.load_state_dict(sd["opt"])
         self.step_n, self.pos, self.norm_ready = sd["step"], sd["pos"], sd["norm_ready"]
+        self.rewarm_from = sd.get("rewarm_from", 0)
         self.rng.bit_generator.state = sd["rng"]["numpy"]
         self.gen.set_state(sd["rng"]["torch"])
 
@@ -440,6 +475,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pool", type=int, default=2000)
     ap.add_argument("--refresh", type=int, default=1, help="new teacher examples per step")
     ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        help="a new run starts from these exported weights (e.g. tts/weights, the shipped ones)",
+    )
+    ap.add_argument("--lr-halflife", type=float, default=20000.0, help="steps for the lr to halve")
+    ap.add_argument(
+        "--fragments", type=float, default=0.0, help="share of examples that are one phrase of a sentence"
+    )
     ap.add_argument("--p-full", type=float, default=0.25, help="share of full-context batches")
     ap.add_argument("--ckpt-minutes", type=float, default=8.0)
     ap.add_argument("--gate-minutes", type=float, default=15.0)
@@ -508,13 +553,14 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     cfg = FlowConfig(latent_dim=codec.cfg.latent_dim, subframes=codec.cfg.down)
-    source = TeacherSource(training_sentences(), codec, seed=args.seed, threads=1)
+    source = TeacherSource(training_sentences(), codec, seed=args.seed, threads=1, fragments=args.fragments)
     trainer = Trainer(
         cfg,
         source,
         pool_size=args.pool,
         batch=args.batch,
         lr=args.lr,
+        lr_halflife=args.lr_halflife,
         refresh=args.refresh,
         p_full=args.p_full,
         norm_examples=args.norm_examples,
@@ -525,6 +571,9 @@ def main(argv: list[str] | None = None) -> None:
     if ck.is_file():
         trainer.load_state_dict(torch.load(ck, map_location="cpu", weights_only=False))
         log(f"resumed from {ck} at step {trainer.step_n}, data position {trainer.pos}")
+    elif args.init:
+        trainer.init_from_export(args.init)
+        log(f"started from the exported weights in {args.init} at step {trainer.step_n} (fresh optimiser)")
     command = " ".join([sys.executable.split("/")[-1], "-m", "tts.training.train_flow", *sys.argv[1:]])
     t0 = time.time()
     trainer.start()

@@ -1,0 +1,239 @@
+"""`duplex eval tts`: the project's own voice against the packaged one, on held-out sentences.
+
+Per sentence of the held-out text file (never trained on): hibari's audio, the same audio through the FSQ
+speech codec (encode -> decode: the ceiling any codec-latent voice can reach), and the profile's flow voice
+through the service's own TTS stage (phrases cut as in a conversation) at each requested number of Euler
+steps, beside hibari's own stage with the same phrase cuts (`hibari_live`: what the issue's "within 2 points
+of hibari measured the same way" compares against). Moonshine transcribes all of them in the same run; the WERs, their gaps to hibari, the codec's bitrate
+and code usage, and the stage's compute (first chunk P50/P90, steady RTF, chunk 2 vs chunk 50, one thread)
+go to tts.json and tts.png, with the issue's targets beside them.
+
+    duplex eval tts [-n 200] [--steps 2 4 8] [--profile cpu-flow] [--out docs/results/eval-tts]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: issue 19's bars
+TARGETS = {
+    "wer_flow": 0.05,  # own voice WER
+    "gap_flow": 0.02,  # ... within 2 points of hibari's
+    "gap_codec": 0.01,  # codec round trip within 1 point of hibari's
+    "first_chunk_p50_ms": 60.0,
+    "first_chunk_p90_ms": 100.0,
+    "rtf": 0.25,
+    "chunk_ratio": 0.2,  # chunk 50 within +-20 % of chunk 2
+    "bitrate_bps": 1000.0,
+    "codes_used": 0.9,
+}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--profile", default="cpu-flow", help="a profile whose tts backend is flow")
+    ap.add_argument("-n", type=int, default=200, help="held-out sentences")
+    ap.add_argument("--steps", type=int, nargs="+", default=None, help="Euler steps (default: the profile's)")
+    ap.add_argument("--timing-repeats", type=int, default=20, help="first-chunk timings per step count")
+    ap.add_argument("--out", default="eval-out", help="folder for tts.json and tts.png")
+    ap.add_argument("--no-progress", action="store_true")
+
+
+def speak(stage: Any, text: str) -> np.ndarray:
+    """The stage as the service drives it: the whole answer as one final delta, phrases cut by its segmenter."""
+    from duplex.base.messages import TtsInput
+
+    out, _ = stage.step(stage.init_state(), TtsInput(text, True))
+    audio = [c.audio for c in out if c.audio.size]
+    return np.concatenate(audio) if audio else np.zeros(0, np.float32)
+
+
+def timings(stage: Any, steps: int, repeats: int) -> dict[str, float]:
+    from tts.training.bench_flow import LONG, PHRASES, chunk_costs, first_chunk_seconds
+
+    stage.steps = steps
+    first = [first_chunk_seconds(stage, p) for _ in range(max(1, repeats // len(PHRASES))) for p in PHRASES]
+    t0 = time.perf_counter()
+    secs = len(speak(stage, LONG)) / stage.sample_rate
+    rtf = (time.perf_counter() - t0) / max(secs, 1e-9)
+    costs = chunk_costs(stage, repeats=3)
+    return {
+        "first_chunk_p50_ms": 1e3 * float(np.percentile(first, 50)),
+        "first_chunk_p90_ms": 1e3 * float(np.percentile(first, 90)),
+        "first_chunk_n": len(first),
+        "rtf": rtf,
+        **costs,
+        "chunk_ratio": abs(costs["chunk50_ms"] / costs["chunk2_ms"] - 1.0),
+    }
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from tqdm.auto import tqdm
+
+    from asr.training.data import heldout_sentences
+    from codec.tool import report as code_report
+    from codec.training.eval_codec import MoonshineScorer, corpus_wer
+    from codec.training.hibari_teacher import HibariTeacher
+    from duplex.base.config import ComponentConfig, load_profile
+    from tts.loading import load_tts
+
+    torch.set_num_threads(1)
+    profile = load_profile(args.profile)
+    cfg = profile.component("tts")
+    if cfg.backend != "flow":
+        raise SystemExit(
+            f"eval tts: profile {profile.name!r} speaks with {cfg.backend!r}, not the flow voice"
+        )
+    stage = load_tts(cfg)
+    # hibari as the service speaks it: the same phrase cuts, each phrase a separate utterance
+    phrase_opts = {k: cfg.options[k] for k in ("first_phrase_words", "max_phrase_words") if k in cfg.options}
+    hibari = load_tts(ComponentConfig("tts", "hibari", {"package": "hibari"}, phrase_opts))
+    steps = list(args.steps or [stage.steps])
+    sentences = heldout_sentences()[: args.n]
+    teacher, scorer = HibariTeacher(threads=1), MoonshineScorer()
+    hyp: dict[str, list[str]] = {
+        "hibari": [],
+        "codec": [],
+        "hibari_live": [],
+        **{f"flow_{s}": [] for s in steps},
+    }
+    codes_all = []
+    try:
+        for i, text in enumerate(tqdm(sentences, desc="tts eval", disable=args.no_progress)):
+            audio = np.concatenate([o.audio for o in teacher.text(text, audio_seed=1000 + i)])
+            hyp["hibari"].append(scorer.transcribe(audio))
+            with torch.no_grad():
+                codes = stage.codec.encode(torch.from_numpy(audio)[None])
+                codes_all.append(codes[0].numpy())
+                hyp["codec"].append(scorer.transcribe(stage.codec.decode(codes)[0, 900:].numpy()))
+            hyp["hibari_live"].append(scorer.transcribe(speak(hibari, text)))
+            for s in steps:
+                stage.steps = s
+                hyp[f"flow_{s}"].append(scorer.transcribe(speak(stage, text)))
+    finally:
+        scorer.close()
+    wer = {k: corpus_wer(sentences, v) for k, v in hyp.items()}
+    codes = np.concatenate(codes_all)
+    rep = code_report(stage.codec, codes, int(len(codes) * stage.codec.cfg.samples_per_code))
+    timing = {
+        str(s): timings(stage, s, args.timing_repeats)
+        for s in tqdm(steps, desc="timing", disable=args.no_progress)
+    }
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "profile": profile.name,
+        "n": len(sentences),
+        "flow_step": stage.meta.get("step"),
+        "wer": wer,
+        # the codec against hibari's whole sentences (its input); the live voices against hibari live
+        "gap_to_hibari": {
+            k: wer[k] - wer["hibari_live" if k.startswith("flow_") else "hibari"]
+            for k in wer
+            if not k.startswith("hibari")
+        },
+        "bitrate_bps": rep.nominal_bps,
+        "entropy_bps": rep.entropy_bps,
+        "codes_used_per_group": rep.used_share,
+        "timing_one_thread": timing,
+        "targets": TARGETS,
+        "examples": [{"text": t, **{k: v[i] for k, v in hyp.items()}} for i, t in enumerate(sentences[:5])],
+    }
+
+
+def verdicts(res: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """(what, measured, met) per target, for the report."""
+    t, out = res["targets"], []
+    out.append(
+        (
+            "codec WER gap to hibari",
+            f"{100 * res['gap_to_hibari']['codec']:+.1f} pt",
+            res["gap_to_hibari"]["codec"] <= t["gap_codec"],
+        )
+    )
+    for k, w in res["wer"].items():
+        if k.startswith("flow_"):
+            gap = res["gap_to_hibari"][k]
+            ok = w <= t["wer_flow"] and gap <= t["gap_flow"]
+            what = f"own voice WER ({k[5:]} steps; gap to hibari live)"
+            out.append((what, f"{100 * w:.1f} % ({100 * gap:+.1f} pt)", ok))
+    for s, tm in res["timing_one_thread"].items():
+        first_ok = (
+            tm["first_chunk_p50_ms"] <= t["first_chunk_p50_ms"]
+            and tm["first_chunk_p90_ms"] <= t["first_chunk_p90_ms"]
+        )
+        out.append(
+            (
+                f"first chunk P50/P90 ({s} steps)",
+                f"{tm['first_chunk_p50_ms']:.0f}/{tm['first_chunk_p90_ms']:.0f} ms",
+                first_ok,
+            )
+        )
+        out.append((f"steady RTF ({s} steps)", f"{tm['rtf']:.3f}", tm["rtf"] <= t["rtf"]))
+        out.append(
+            (
+                f"chunk 50 vs chunk 2 ({s} steps)",
+                f"{tm['chunk50_ms']:.1f} vs {tm['chunk2_ms']:.1f} ms",
+                tm["chunk_ratio"] <= t["chunk_ratio"],
+            )
+        )
+    out.append(("bitrate", f"{res['bitrate_bps']:.1f} bps", res["bitrate_bps"] <= t["bitrate_bps"]))
+    used = min(res["codes_used_per_group"])
+    out.append(("codes used (least-used group)", f"{100 * used:.1f} %", used >= t["codes_used"]))
+    return out
+
+
+def report(res: dict[str, Any]) -> str:
+    lines = [
+        f"own voice vs hibari ({res['date']}, profile {res['profile']}, flow step {res['flow_step']}, n={res['n']})"
+    ]
+    lines += [f"  WER {k:<8} {100 * v:5.1f} %" for k, v in res["wer"].items()]
+    lines += [f"  {'met ' if ok else 'MISS'} {what}: {val}" for what, val, ok in verdicts(res)]
+    return "\n".join(lines)
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(res["wer"])
+    vals = [100 * res["wer"][k] for k in names]
+    colors = ["tab:gray", "tab:blue", "tab:gray"] + ["tab:orange"] * (len(names) - 3)
+    ax[0].bar(names, vals, color=colors)
+    ax[0].axhline(100 * res["targets"]["wer_flow"], color="k", ls="--", lw=0.8, label="target (own voice)")
+    ax[0].set_ylabel("WER % (Moonshine)")
+    ax[0].set_title(f"held-out sentences, n={res['n']}")
+    ax[0].legend()
+    steps = list(res["timing_one_thread"])
+    tm = [res["timing_one_thread"][s] for s in steps]
+    x = np.arange(len(steps))
+    ax[1].bar(x - 0.2, [t["first_chunk_p50_ms"] for t in tm], 0.4, label="first chunk P50")
+    ax[1].bar(x + 0.2, [t["first_chunk_p90_ms"] for t in tm], 0.4, label="first chunk P90")
+    ax[1].axhline(res["targets"]["first_chunk_p50_ms"], color="tab:blue", ls="--", lw=0.8)
+    ax[1].axhline(res["targets"]["first_chunk_p90_ms"], color="tab:orange", ls="--", lw=0.8)
+    ax[1].set_xticks(x, [f"{s} steps" for s in steps])
+    ax[1].set_ylabel("ms, one thread")
+    ax[1].set_title("text in -> first 225 ms of audio out")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    res = evaluate(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tts.json").write_text(json.dumps(res, indent=1))
+    plot(res, out / "tts.png")
+    print(report(res))
+    print(f"wrote {out / 'tts.json'} and {out / 'tts.png'}")
+    return 0

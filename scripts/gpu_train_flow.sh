@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Train the flow voice (tts/) on a GPU for a fixed number of minutes, starting from the shipped weights
+# (tts/weights) or resuming $RUN, and write the fp16 export to $OUT/tts-weights. docs/tts.md, "GPU path".
+#
+#   scripts/gpu_train_flow.sh --minutes 8      # on the GPU machine
+#   scripts/gpu_train_flow.sh --dry-run        # anywhere, ~30 s: a few steps on a tiny pool, gate, export
+#
+# Environment: PYTHON (default: /opt/torch/.venv/bin/python3 if present, else .venv/bin/python, else
+# python3), OUT (default gpu-out), RUN (default runs/gpu-flow), INIT (default tts/weights).
+# The teacher (hibari) runs on the CPU: with many cores, a larger --pool and --refresh keep the GPU fed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MINUTES=8
+MODE=train
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --minutes) MINUTES="$2"; shift 2 ;;
+    --dry-run) MODE=dry; shift ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+
+if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
+elif [ -x /opt/torch/.venv/bin/python3 ]; then PY=/opt/torch/.venv/bin/python3
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=python3; fi
+OUT="${OUT:-gpu-out}"
+RUN="${RUN:-runs/gpu-flow}"
+INIT="${INIT:-tts/weights}"
+CODEC=codec/weights/speech_codec.safetensors
+
+DEVICE=cpu
+if "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then DEVICE=cuda; fi
+
+ARGS=(--run "$RUN" --device "$DEVICE" --codec "$CODEC" --lr 5e-4 --lr-halflife 8000 --fragments 0.3)
+if [ "$MODE" = dry ]; then
+  TMP="$(mktemp -d)"
+  trap 'rm -rf "$TMP"' EXIT
+  RUN="$TMP/flow"
+  ARGS=(--run "$RUN" --device "$DEVICE" --codec "$CODEC" --minutes 0.05 --pool 8 --batch 2 --norm-examples 4
+        --gate-n 1 --gate-minutes 999 --threads 1)
+else
+  CPUS="$(nproc)"
+  ARGS+=(--minutes "$MINUTES" --threads 4 --batch 64 --pool 4000 --refresh 4 --gate-minutes 5 --ckpt-minutes 4)
+  echo "training on $DEVICE for $MINUTES min ($CPUS CPUs, $PY)"
+fi
+[ -e "$RUN/checkpoint.pt" ] || [ ! -f "$INIT/flow_model.json" ] || ARGS+=(--init "$INIT")
+mkdir -p "$OUT"
+"$PY" -m tts.training.train_flow "${ARGS[@]}" 2>&1 | tee "$OUT/train-flow.log"
+"$PY" -m tts.training.train_flow --run "$RUN" --export "$OUT/tts-weights" --codec-file "$CODEC"
+cp "$RUN/metrics.jsonl" "$RUN/curves.png" "$OUT/tts-weights/" 2>/dev/null || true
+echo "wrote $OUT/tts-weights (fp16 flow_model.safetensors + flow_model.json) and $OUT/train-flow.log"
