@@ -340,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
         "model, checked by the learned verifier (OUT/relay-*/ and OUT/compare-relay.txt)",
     )
     b.add_argument(
+        "--compare-tts",
+        default=None,
+        metavar="PROFILE",
+        help="with --serve: the same conversation spoken by the served profile's voice, then by PROFILE's "
+        "(e.g. cpu-flow) on the same models (OUT/tts-*/ and OUT/compare-tts.txt)",
+    )
+    b.add_argument(
         "--calibrate",
         action="store_true",
         help="with --sessions: record the largest N within every target as this device's capacity "

@@ -135,12 +135,18 @@ class Utterance:
 
 @dataclass
 class FlowTtsState:
-    """Per-response state: the phrase segmenter's, the codec decoder's (continuous over the response),
-    and the absolute codec frame count (for the noise of the next utterance)."""
+    """Per-response state: the phrase segmenter's, the codec decoder's (continuous over the response), and
+    what is owed: utterances not yet fully spoken (`backlog`, the first one begun at `frame` with its flow
+    state), and the count of utterances before them (the noise of each utterance depends on its index)."""
 
     phrases: PhraseState
     decoder: DecoderState | None = None
     utterances: int = 0
+    backlog: list[Utterance] = field(default_factory=list)
+    frame: int = 0
+    flow: FlowState | None = None
+    done_words: int = 0
+    final: bool = False  # the response's last text has arrived (flush once the backlog is spoken)
 
 
 @dataclass
@@ -156,9 +162,10 @@ class _Cursor:
     flow: FlowState | None = None
     chunks: list[TtsChunk] = field(default_factory=list)
     done_words: int = 0
+    limit: int = 0  # chunks to produce in this call (0: all)
 
     def next_n(self, chunk: int) -> int | None:
-        if self.u >= len(self.utterances):
+        if self.u >= len(self.utterances) or (self.limit and len(self.chunks) >= self.limit):
             return None
         return min(chunk, self.utterances[self.u].frames - self.frame)
 
@@ -183,6 +190,7 @@ class FlowTtsStage:
         snap: bool = True,
         first_phrase_words: int = 3,
         max_phrase_words: int = 12,
+        chunks_per_call: int = 0,
     ) -> None:
         if model.cfg.latent_dim != codec.cfg.latent_dim:
             raise ModelError(
@@ -193,6 +201,9 @@ class FlowTtsStage:
         self.model, self.codec, self.front = model.eval(), codec.eval(), front
         self.steps, self.seed, self.speed, self.snap = int(steps), int(seed), float(speed), bool(snap)
         self.chunk = int(chunk or model.cfg.chunk)
+        #: 0: a call speaks every phrase that is ready; n: a response's first call returns after its first
+        #: chunk and later calls after n chunks, owing the rest (`pending`), so speech starts after one chunk
+        self.chunks_per_call = max(0, int(chunks_per_call))
         self.segmenter = PhraseSegmenter(first_phrase_words, max_phrase_words)
         self.meta: dict = {}  # the weights' metadata (step, data, command) when loaded from a folder
         levels = torch.tensor(codec.fsq.levels, dtype=torch.float32).repeat(codec.fsq.groups)
@@ -294,27 +305,47 @@ class FlowTtsStage:
 
     def _prepare(self, state: FlowTtsState, chunk: TtsInput) -> tuple[_Cursor, PhraseState]:
         phrases, phrase_state = self.segmenter.step(state.phrases, chunk.text, chunk.final)
-        utts = [u for p in phrases for u in self.utterances(p)]
+        utts = [*state.backlog, *(u for p in phrases for u in self.utterances(p))]
         decoder = state.decoder if state.decoder is not None else self.codec.init_state(1)
-        return _Cursor(utts, decoder, self.seed, state.utterances), phrase_state
+        cur = _Cursor(utts, decoder, self.seed, state.utterances, frame=state.frame, flow=state.flow)
+        cur.done_words = state.done_words
+        if self.chunks_per_call and not chunk.whole:
+            cur.limit = 1 if state.decoder is None else self.chunks_per_call
+        return cur, phrase_state
 
     def _finish(
         self, state: FlowTtsState, cur: _Cursor, phrase_state: PhraseState, final: bool
     ) -> tuple[list[TtsChunk], FlowTtsState]:
         out = cur.chunks
-        decoder: DecoderState | None = cur.decoder
-        if final and (state.decoder is not None or out):
+        final = final or state.final
+        owed = cur.u < len(cur.utterances)
+        # a decoder that has decoded nothing is still the fresh one: keep None (the next call's first chunk)
+        decoder: DecoderState | None = cur.decoder if (out or state.decoder is not None) else None
+        if final and not owed and (state.decoder is not None or out):
             tail = self.codec.flush(cur.decoder)[0].numpy().astype(np.float32)
             if out:
                 out[-1] = TtsChunk(np.concatenate([out[-1].audio, tail]), out[-1].text)
             else:
                 out = [TtsChunk(tail, "")]
             decoder = None
-        n_utt = state.utterances + len(cur.utterances)
-        return out, FlowTtsState(phrases=phrase_state, decoder=decoder, utterances=n_utt)
+        return out, FlowTtsState(
+            phrases=phrase_state,
+            decoder=decoder,
+            utterances=state.utterances + cur.u,
+            backlog=cur.utterances[cur.u :],
+            frame=cur.frame,
+            flow=cur.flow,
+            done_words=cur.done_words,
+            final=final,
+        )
+
+    def pending(self, state: FlowTtsState) -> bool:
+        """True while the state owes audio for text already given (`IncrementalStage`)."""
+        return bool(state.backlog)
 
     def step(self, state: FlowTtsState, chunk: TtsInput) -> tuple[list[TtsChunk], FlowTtsState]:
-        """Add a text delta; synthesise every phrase that became ready. The input state is not modified."""
+        """Add a text delta; synthesise the phrases that became ready (all of them, or `chunks_per_call`
+        chunks with the rest owed: `pending`). The input state is not modified."""
         return self.step_batch([(state, chunk)])[0]
 
     def step_batch(
@@ -402,6 +433,7 @@ def load_flow_tts_stage(cfg: ComponentConfig) -> FlowTtsStage:
         snap=bool(opts.get("snap", True)),
         first_phrase_words=int(opts.get("first_phrase_words", 3)),
         max_phrase_words=int(opts.get("max_phrase_words", 12)),
+        chunks_per_call=int(opts.get("chunks_per_call", 0)),
     )
     stage.meta = meta
     return stage

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from duplex.base.config import ComponentConfig, ConfigError
+from duplex.base.messages import TtsChunk, TtsInput
+from duplex.base.stage import IncrementalStage
 
 BACKENDS = ("hibari", "flow")
 
@@ -23,3 +25,14 @@ def load_tts(cfg: ComponentConfig) -> Any:
     raise ConfigError(
         f"component {cfg.name!r}: unknown TTS backend {cfg.backend!r} (known: {', '.join(BACKENDS)})"
     )
+
+
+def step_all(stage: Any, state: Any, chunk: TtsInput) -> tuple[list[TtsChunk], Any]:
+    """One step, then (for a stage that hands back chunk by chunk) empty steps until it owes nothing: all the
+    audio this input makes ready, as the session core collects it over several jobs."""
+    out, state = stage.step(state, chunk)
+    out = list(out)
+    while isinstance(stage, IncrementalStage) and stage.pending(state):
+        more, state = stage.step(state, TtsInput("", chunk.final))
+        out += more
+    return out, state

@@ -11,7 +11,7 @@ import numpy as np
 
 from duplex.base.config import Profile
 from duplex.base.messages import TtsInput
-from tts.loading import load_tts
+from tts.loading import load_tts, step_all
 
 
 class SayError(RuntimeError):
@@ -43,12 +43,12 @@ def render(profile: Profile, text: str) -> Rendered:
     t0 = time.perf_counter()
     words = text.split()
     for i, word in enumerate(words):
-        out, state = stage.step(
-            state, TtsInput(word + (" " if i + 1 < len(words) else ""), i + 1 == len(words))
-        )
+        final = i + 1 == len(words)
+        out, state = stage.step(state, TtsInput(word + ("" if final else " "), final))
         if out and first is None:
-            first = time.perf_counter() - t0
-        chunks += out
+            first = time.perf_counter() - t0  # the first chunk, as the session core would play it
+        more, state = step_all(stage, state, TtsInput("", final))  # what a chunk-by-chunk stage owes
+        chunks += [*out, *more]
     compute = time.perf_counter() - t0
     audio = [c.audio for c in chunks if c.audio.size]
     if not audio:

@@ -161,10 +161,12 @@ class RespondOutput:
 
 @dataclass(frozen=True)
 class TtsInput:
-    """A text delta from the LLM; `final` marks the end of the response (flushes the rest)."""
+    """A text delta from the LLM; `final` marks the end of the response (flushes the rest). `whole`: produce
+    all of it in this call (a backchannel), even from a stage that otherwise returns chunk by chunk."""
 
     text: str
     final: bool = False
+    whole: bool = False
 
 
 @dataclass(frozen=True)

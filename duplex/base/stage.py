@@ -21,6 +21,7 @@ InT = TypeVar("InT")
 OutT = TypeVar("OutT")
 # a protocol's input type variable is contravariant (a stage taking a wider input is a stage)
 InT_contra = TypeVar("InT_contra", contravariant=True)
+StateT_contra = TypeVar("StateT_contra", contravariant=True)
 
 
 @runtime_checkable
@@ -35,6 +36,15 @@ class StreamingStage(Protocol[StateT, InT_contra, OutT]):
     def step(self, state: StateT, chunk: InT_contra) -> tuple[OutT, StateT]: ...
 
     def step_batch(self, items: Sequence[tuple[StateT, InT_contra]]) -> list[tuple[OutT, StateT]]: ...
+
+
+@runtime_checkable
+class IncrementalStage(Protocol[StateT_contra]):
+    """A stage that may return before it has produced all its input asks for (a TTS that hands back its
+    first chunk at once): `pending(state)` is True while more is owed, and the core steps it again, with an
+    empty input, until it is not."""
+
+    def pending(self, state: StateT_contra) -> bool: ...
 
 
 class SequentialBatchMixin(Generic[StateT, InT, OutT]):

@@ -66,6 +66,12 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if getattr(args, "compare_tts", None) and not args.serve:
+        print(
+            "duplex bench: --compare-tts needs --serve (it swaps the voice of the service it loads)",
+            file=sys.stderr,
+        )
+        return 2
     counts = [args.turns, args.barge_ins, *cases.values()]
     if not transports and (min(counts) < 0 or sum(counts) == 0):
         print(
@@ -123,6 +129,8 @@ def main(args: argparse.Namespace) -> int:
             return _bench_transports(url, transports, audiosocket, args, tones, synth)
         if getattr(args, "compare_relay", False):
             return _compare_relay(url, args, synth, options, seed, voice, cases)
+        if getattr(args, "compare_tts", None):
+            return _compare_tts(url, service, args, synth, options, seed, voice, cases)
         result = asyncio.run(
             run_bench(
                 url,
@@ -471,4 +479,90 @@ def _compare_relay(
     (out / "compare-relay.txt").write_text(table.strip() + "\n")
     (out / "compare-relay.json").write_text(json.dumps({n: sm for n, sm in rows}, indent=1, default=str))
     print(f"\nwrote {out / 'compare-relay.txt'} and {out / 'compare-relay.json'}")
+    return 0
+
+
+def _compare_tts(
+    url: str,
+    service: Any,
+    args: argparse.Namespace,
+    synth: Any,
+    options: dict[str, Any],
+    seed: int,
+    voice: str,
+    cases: dict[str, int],
+) -> int:
+    """--compare-tts PROFILE: the same conversation spoken by the served profile's voice, then by PROFILE's
+    voice on the same models (only the TTS stage swapped), each on its own in-process server; one results
+    folder per voice (OUT/tts-*) and a table: onset, barge-in reaction, leaked frames, failures."""
+    from dataclasses import replace
+
+    from duplex.base.config import ConfigError, load_profile
+    from duplex.base.errors import ModelError
+    from duplex.runtime.service import DuplexService
+    from tts.loading import load_tts
+
+    try:
+        other = load_profile(args.compare_tts)
+        tts = load_tts(other.component("tts"))
+    except (ConfigError, ModelError) as exc:
+        print(f"duplex bench: --compare-tts {args.compare_tts}: {exc}", file=sys.stderr)
+        return 2
+    from duplex.base.messages import TtsInput
+
+    tts.step(tts.init_state(), TtsInput("Warm up, please.", True))  # lazy initialisation, as warm_up does
+    variants = [
+        (f"tts-{service.profile.component('tts').backend}", service, None),
+        (
+            f"tts-{other.component('tts').backend}",
+            DuplexService(other, replace(service.stages, tts=tts)),
+            True,
+        ),
+    ]
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for name, svc, own in variants:
+        print(f"\n== {name} ({svc.profile.name})", flush=True)
+        server = InProcessServer(svc) if own else None
+        try:
+            result = asyncio.run(
+                run_bench(
+                    server.start() if server else url,
+                    args.turns,
+                    args.barge_ins,
+                    synth,
+                    out_dir=Path(args.out) / name,
+                    session_options=options,
+                    seed=seed,
+                    voice=voice,
+                    **cases,
+                )
+            )
+        finally:
+            if server is not None:
+                server.stop()
+                svc.close()
+        print(format_table(result))
+        rows.append((name, result["summary"]))
+    lines = [
+        "",
+        f"{'voice':<14}{'onset P50':>10}{'P90':>8}{'n':>5}{'barge-in P50':>14}{'leaked':>8}{'failed':>8}",
+    ]
+    for name, sm in rows:
+        on, bi = sm.get("onset_s") or {}, sm.get("barge_in_reaction_s") or {}
+
+        def ms(x: Any) -> str:
+            return "-" if x is None else f"{1000 * x:.0f}"
+
+        failed = sm.get("turns_failed", 0) + sm.get("barge_ins_failed", 0)
+        lines.append(
+            f"{name:<14}{ms(on.get('p50')):>10}{ms(on.get('p90')):>8}{on.get('n', 0):>5}{ms(bi.get('p50')):>14}"
+            f"{sm.get('leaked_frames_total', 0)!s:>8}{failed!s:>8}"
+        )
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare-tts.txt").write_text(table.strip() + "\n")
+    (out / "compare-tts.json").write_text(json.dumps({n: sm for n, sm in rows}, indent=1, default=str))
+    print(f"\nwrote {out / 'compare-tts.txt'} and {out / 'compare-tts.json'}")
     return 0

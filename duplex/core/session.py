@@ -43,6 +43,7 @@ from duplex.base.messages import (
     TtsInput,
 )
 from duplex.base.phrases import first_phrase_ready
+from duplex.base.stage import IncrementalStage
 from duplex.base.turn_policy import LABELS
 from duplex.core.endpointing import Edge, Endpointer
 from duplex.core.events import (
@@ -96,6 +97,8 @@ class SessionCore:
         self.profile = profile
         self.options = options or profile.session
         self.stages = stages
+        #: the TTS may hand back its first chunk and owe the rest (stepped again until it owes nothing)
+        self._tts_incremental = isinstance(stages.tts, IncrementalStage)
         self.clock = clock
         self.turn_taking = stages.policy is not None
         self.budgets = {
@@ -763,12 +766,18 @@ class SessionCore:
         self._submit_llm()
         self._submit_tts()
 
+    def _tts_owes(self, state: Any) -> bool:
+        return self._tts_incremental and bool(self.stages.tts.pending(state))  # type: ignore[attr-defined]
+
     def _submit_tts(self) -> None:
         resp = self.response
-        if resp is None or "tts" in self._busy or resp.tts_final_sent or self.closed:
+        if resp is None or "tts" in self._busy or self.closed:
+            return
+        owes = self._tts_owes(resp.tts_state)
+        if resp.tts_final_sent and not owes:
             return
         final = resp.llm_done
-        if not resp.tts_pending and not final:
+        if not resp.tts_pending and not final and not owes:
             return
         text, resp.tts_pending = resp.tts_pending, ""
         resp.tts_final_sent = final
@@ -796,7 +805,7 @@ class SessionCore:
                 self.playout.enqueue(now, chunk.audio, chunk.text)
             else:
                 resp.held_audio.append(chunk)
-        if final:
+        if final and not self._tts_owes(state):
             resp.tts_done = True
         self._submit_tts()
         if resp.committed:
@@ -1091,7 +1100,7 @@ class SessionCore:
             "tts",
             "tts",
             self.stages.tts.init_state(),
-            TtsInput(self.stages.backchannel_text, True),
+            TtsInput(self.stages.backchannel_text, True, whole=True),
             self.budgets["tts"],
             tag=("bc", next(self._bc_ids)),
         )

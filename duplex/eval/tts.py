@@ -47,8 +47,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def speak(stage: Any, text: str) -> np.ndarray:
     """The stage as the service drives it: the whole answer as one final delta, phrases cut by its segmenter."""
     from duplex.base.messages import TtsInput
+    from tts.loading import step_all
 
-    out, _ = stage.step(stage.init_state(), TtsInput(text, True))
+    out, _ = step_all(stage, stage.init_state(), TtsInput(text, True))
     audio = [c.audio for c in out if c.audio.size]
     return np.concatenate(audio) if audio else np.zeros(0, np.float32)
 

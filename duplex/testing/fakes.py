@@ -233,6 +233,36 @@ class ToneTts(SequentialBatchMixin[ToneTtsState, TtsInput, list[TtsChunk]]):
         return chunks, ToneTtsState(rest)
 
 
+@dataclass
+class OwingToneTtsState:
+    pending: str = ""
+    owed: tuple[TtsChunk, ...] = ()
+
+
+class OwingToneTts(SequentialBatchMixin[OwingToneTtsState, TtsInput, list[TtsChunk]]):
+    """ToneTts that hands back one chunk per call and owes the rest (`IncrementalStage`), as the flow voice
+    does with `chunks_per_call`; `whole` inputs are spoken in one call."""
+
+    kind = "tts"
+
+    def __init__(self) -> None:
+        self.tones = ToneTts()
+        self.calls = 0
+
+    def init_state(self) -> OwingToneTtsState:
+        return OwingToneTtsState()
+
+    def pending(self, state: OwingToneTtsState) -> bool:
+        return bool(state.owed)
+
+    def step(self, state: OwingToneTtsState, chunk: TtsInput) -> tuple[list[TtsChunk], OwingToneTtsState]:
+        self.calls += 1
+        new, rest = self.tones.step(ToneTtsState(state.pending), chunk)
+        owed = [*state.owed, *new]
+        n = len(owed) if chunk.whole else 1
+        return owed[:n], OwingToneTtsState(rest.pending, tuple(owed[n:]))
+
+
 def scripted_answer(history: list[dict[str, str]]) -> str:
     """A reply function for ScriptedLlm: Paris for capitals, a long story on request, else small talk."""
     last = history[-1]["content"]

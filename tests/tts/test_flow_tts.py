@@ -14,7 +14,7 @@ from codec.speech_codec import CodecConfig, SpeechCodec
 from duplex.base.config import ComponentConfig
 from duplex.base.errors import ModelError
 from duplex.base.messages import TtsInput
-from duplex.base.stage import StreamingStage
+from duplex.base.stage import IncrementalStage, StreamingStage
 from tts.flow_model import FlowConfig, FlowModel
 from tts.flow_tts import FlowTtsStage, load_flow_tts_stage, word_map
 
@@ -169,6 +169,54 @@ def test_step_batch_equals_one_by_one() -> None:
         for c1, c2 in zip(o1, o2, strict=True):
             np.testing.assert_allclose(c1.audio, c2.audio, atol=1e-4)
     assert first and state.decoder is not None
+
+
+def drain(st: FlowTtsStage, deltas: list[str]) -> tuple[list, list[int]]:
+    """Drive an incremental stage as the session core does: each delta, then empty steps while it owes."""
+    state, chunks, per_call = st.init_state(), [], []
+    for i, d in enumerate(deltas):
+        final = i == len(deltas) - 1
+        out, state = st.step(state, TtsInput(d, final=final))
+        chunks, per_call = chunks + out, per_call + [len(out)]
+        while st.pending(state):
+            out, state = st.step(state, TtsInput("", final=final))
+            chunks, per_call = chunks + out, per_call + [len(out)]
+    return chunks, per_call
+
+
+def test_chunk_by_chunk_calls_give_the_same_samples_and_words() -> None:
+    """chunks_per_call: the first call of a response returns after one chunk and owes the rest; stepping it
+    until it owes nothing gives exactly the samples and word tags of speaking everything at once."""
+    text = TEXTS[0] + " " + TEXTS[1]
+    whole = run(stage(), [text])
+    inc = make_stage(chunks_per_call=2)
+    assert isinstance(inc, IncrementalStage)
+    for deltas in ([text], re.findall(r"\s*\S+", text)):
+        chunks, per_call = drain(inc, deltas)
+        assert [c.text for c in chunks] == [c.text for c in whole]
+        for c1, c2 in zip(chunks, whole, strict=True):
+            np.testing.assert_allclose(c1.audio, c2.audio, atol=1e-5)
+        assert max(per_call) <= 2 and per_call[next(i for i, n in enumerate(per_call) if n)] == 1
+    out, state = inc.step(inc.init_state(), TtsInput(text, final=True))
+    assert len(out) == 1 and inc.pending(state) and state.decoder is not None  # nothing flushed yet
+
+
+def test_a_whole_input_is_spoken_in_one_call() -> None:
+    inc = make_stage(chunks_per_call=1)
+    out, state = inc.step(inc.init_state(), TtsInput("Mm-hmm.", final=True, whole=True))
+    ref, _ = stage().step(stage().init_state(), TtsInput("Mm-hmm.", final=True))
+    assert not inc.pending(state) and state.decoder is None and len(out) == len(ref)
+
+
+def test_incremental_step_batch_equals_one_by_one() -> None:
+    inc = make_stage(chunks_per_call=2)
+    states = [inc.step(inc.init_state(), TtsInput(t, final=True))[1] for t in TEXTS]
+    batch = inc.step_batch([(s, TtsInput("", final=True)) for s in states])
+    for s, (o2, s2) in zip(states, batch, strict=True):
+        o1, s1 = inc.step(s, TtsInput("", final=True))
+        assert [c.text for c in o1] == [c.text for c in o2] and len(s1.backlog) == len(s2.backlog)
+        for c1, c2 in zip(o1, o2, strict=True):
+            np.testing.assert_allclose(c1.audio, c2.audio, atol=1e-4)
 
 
 def test_final_flushes_and_resets() -> None:

@@ -70,6 +70,43 @@ def test_question_gets_spoken_answer_and_events_in_order():
     ]
 
 
+def test_a_tts_that_owes_chunks_is_stepped_until_it_has_said_everything():
+    """An incremental TTS (first chunk at once, the rest owed) speaks the whole answer, heard word for word,
+    and a barge-in still cuts it with only the heard words kept."""
+    from dataclasses import replace
+
+    from duplex.testing.fakes import OwingToneTts
+
+    profile = load_profile("cpu")
+    clock = FakeClock()
+    tts = OwingToneTts()
+    stages = replace(fake_stages(answer), tts=tts)
+    core = SessionCore("s1", profile, stages, clock)
+    audio = np.concatenate([silence(0.5), tone_speech("what is the capital of france"), silence(3.0)])
+    result = replay(core, clock, audio, COSTS)
+    done = result.events("response.done")[0]
+    assert done.status == "completed" and done.text == "paris is the capital of france"
+    assert decode_tones(result.audio(), 24000) == "paris is the capital of france".split()
+    assert tts.calls >= 6  # one word per call: the core came back for what was owed
+
+    clock = FakeClock()
+    core = SessionCore("s2", profile, replace(fake_stages(answer), tts=OwingToneTts()), clock)
+    question = tone_speech("tell me a story")
+    t_barge = 0.3 + len(question) / SR + 2.5
+    pre = np.concatenate([silence(0.3), question])
+    audio = np.concatenate(
+        [pre, silence(t_barge - len(pre) / SR), tone_speech("stop what is two plus two"), silence(4.0)]
+    )
+    result = replay(core, clock, audio, COSTS)
+    interrupted = result.events("response.interrupted")[0]
+    heard = interrupted.played_text
+    assert (
+        heard
+        and decode_tones(result.audio(0, interrupted.t + 0.001), 24000)[: len(heard.split())] == heard.split()
+    )
+    assert result.events("response.done")[-1].text == "two plus two is four"
+
+
 def test_answer_starts_right_after_the_hangover_thanks_to_speculation():
     core, clock, _ = make_core(end_of_turn_silence_ms=500)
     speech = tone_speech("what is the capital of france")
