@@ -76,6 +76,16 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"duplex serve: cannot load models: {exc}", file=sys.stderr)
         print("hint: `duplex models` shows what is missing and how to fix it", file=sys.stderr)
         return 2
+    from duplex.runtime.memtrace import install_from_env
+
+    try:
+        trace = install_from_env()
+    except ValueError as exc:
+        print(f"duplex serve: {exc}", file=sys.stderr)
+        service.close()
+        return 2
+    if trace is not None:
+        print(f"duplex serve: tracemalloc on; `kill -USR2 {os.getpid()}` appends a report to {trace.out}")
     try:
         asyncio.run(run_gateway(service, settings))
     except KeyboardInterrupt:

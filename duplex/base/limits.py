@@ -37,7 +37,7 @@ CLOSE_OVERLOAD = 1013  # at capacity, try again later
 
 
 #: limits where 0 means "off" rather than "nothing allowed"
-_MAY_BE_ZERO = frozenset({"llm_gather_ms"})
+_MAY_BE_ZERO = frozenset({"llm_gather_ms", "heap_trim_s"})
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,8 @@ class ServerLimits:
     drain_timeout_s: float = 30.0  # on SIGTERM, answers in progress may finish for this long
     # the executor waits up to this long to batch an LLM job with other sessions' (0: never waits)
     llm_gather_ms: float = 3.0
+    # glibc keeps freed heap pages: give them back to the OS this often (seconds; 0: never)
+    heap_trim_s: float = 10.0
 
     def with_overrides(self, overrides: dict[str, Any]) -> ServerLimits:
         """These limits with some replaced; unknown names or non-positive values raise ConfigError."""

@@ -76,6 +76,13 @@ class Metrics:
         )
         self.errors = Counter("duplex_errors", "error events sent to clients, by code", ["code"], registry=r)
         self.draining = Gauge("duplex_draining", "1 while the server drains for shutdown", registry=r)
+        self.heap_trims = Counter("duplex_heap_trims", "times freed heap memory was given back", registry=r)
+        self.heap_released = Counter(
+            "duplex_heap_released_bytes", "RSS given back to the OS by heap trims", registry=r
+        )
+        self.heap_trim_seconds = Counter(
+            "duplex_heap_trim_seconds", "time spent trimming the heap", registry=r
+        )
         self._speech_started: dict[str, float] = {}
 
     def render(self) -> bytes:
@@ -116,6 +123,11 @@ class Metrics:
 
     def observe_restart(self, reason: str) -> None:
         self.worker_restarts.labels(reason).inc()
+
+    def observe_heap_trim(self, seconds: float, released_mb: float) -> None:
+        self.heap_trims.inc()
+        self.heap_trim_seconds.inc(seconds)
+        self.heap_released.inc(released_mb * 1e6)
 
 
 def sample(metrics_text: str, name: str, **labels: Any) -> float | None:

@@ -33,6 +33,7 @@ from duplex.base.messages import (
 from duplex.core.session import SR, SessionCore
 from duplex.core.stages import Stages
 from duplex.runtime.executor import DeviceExecutor
+from duplex.runtime.heap import HeapTrimmer
 from duplex.runtime.metrics import Metrics
 from duplex.runtime.runner import SessionRunner
 from tts.loading import BACKENDS as TTS_BACKENDS
@@ -205,6 +206,8 @@ class DuplexService:
             )
         self.sessions: dict[str, SessionCore] = {}
         self.runners: dict[str, SessionRunner] = {}
+        self.heap = HeapTrimmer(self.limits.heap_trim_s, on_trim=self.metrics.observe_heap_trim)
+        self.heap.start()
         self.started = time.time()
         self.sessions_total = 0
         self.draining = False
@@ -323,4 +326,5 @@ class DuplexService:
     def close(self) -> None:
         for sid in list(self.sessions):
             self.close_session(sid)
+        self.heap.close()
         self.executor.close()
