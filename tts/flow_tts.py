@@ -33,8 +33,12 @@ TRAIN_HINT = (
     "train it with `python -m tts.training.train_flow --run ~/.cache/duplex/runs/flow/run1 --minutes 150` "
     "and export with `python -m tts.training.train_flow --run ~/.cache/duplex/runs/flow/run1 --export tts/weights`"
 )
-#: pauses as durations of the utterance's boundary pad tokens, in hibari units (25 ms)
-LEAD_UNITS = 1
+#: pauses as durations of the utterance's boundary pad tokens, in hibari units (25 ms). The leading pad is
+#: what hibari gives it (~13 units): the model learnt to start speech after it, and a 1-unit lead made the
+#: first word of every phrase unintelligible (held-out WER 41 % vs 11 %, docs/tts.md). Its audio is not
+#: played: all but LEAD_KEEP_FRAMES codec frames of it are dropped (`Utterance.skip`).
+LEAD_UNITS = 13
+LEAD_KEEP_FRAMES = 1
 PAUSE_UNITS = {"sentence": 10, "clause": 5, "none": 1}
 
 
@@ -127,6 +131,7 @@ class Utterance:
     words: list[str]
     word_end: list[int]
     word_ids: list[int]  # indices of `words` in the phrase
+    skip: int = 0  # leading codec frames (the lead pad's silence) whose audio is dropped
 
     @property
     def frames(self) -> int:
@@ -191,6 +196,7 @@ class FlowTtsStage:
         first_phrase_words: int = 3,
         max_phrase_words: int = 12,
         chunks_per_call: int = 0,
+        temperature: float = 1.0,
     ) -> None:
         if model.cfg.latent_dim != codec.cfg.latent_dim:
             raise ModelError(
@@ -200,6 +206,9 @@ class FlowTtsStage:
             raise ConfigError("tts option 'speed' must be in [0.5, 2.0]")
         self.model, self.codec, self.front = model.eval(), codec.eval(), front
         self.steps, self.seed, self.speed, self.snap = int(steps), int(seed), float(speed), bool(snap)
+        if not 0.0 <= temperature <= 1.5:
+            raise ConfigError("tts option 'temperature' must be in [0, 1.5]")
+        self.temperature = float(temperature)  # scales the fixed noise the flow starts from
         self.chunk = int(chunk or model.cfg.chunk)
         #: 0: a call speaks every phrase that is ready; n: a response's first call returns after its first
         #: chunk and later calls after n chunks, owing the rest (`pending`), so speech starts after one chunk
@@ -229,6 +238,7 @@ class FlowTtsStage:
             h = self.model.encoder(torch.tensor([ids], dtype=torch.long))
             units = self.model.predict_units(h, self.speed)
             units[0, 0] = LEAD_UNITS
+            skip = max(0, int(LEAD_UNITS * UNIT_SUBFRAMES) // sub - LEAD_KEEP_FRAMES)
             units[0, -1] = PAUSE_UNITS[pause_kind(phrase) if si == len(sents) - 1 else "sentence"]
             cond = self.model.regulate(h, units)
             ends_sub = torch.cumsum(units[0] * UNIT_SUBFRAMES, 0).tolist()
@@ -239,7 +249,9 @@ class FlowTtsStage:
                     end[tw] = max(end.get(tw, 0), -(-int(ends_sub[pos]) // sub))
             base += counts[si]
             mine = sorted(end)
-            out.append(Utterance(cond.cond, cond.mu, [words[i] for i in mine], [end[i] for i in mine], mine))
+            out.append(
+                Utterance(cond.cond, cond.mu, [words[i] for i in mine], [end[i] for i in mine], mine, skip)
+            )
         # every text word is spoken by exactly one utterance: one no phoneme maps to ("&", a stray symbol)
         # rides with the word before it (or opens the first utterance)
         mapped = {i for u in out for i in u.word_ids}
@@ -266,6 +278,13 @@ class FlowTtsStage:
     def _advance(self, cur: _Cursor, audio: np.ndarray, n: int) -> None:
         """Record one decoded chunk: tag it with the words whose end it carries (one frame of codec delay)."""
         utt = cur.utterances[cur.u]
+        if utt.skip:
+            # the codec's output lags its input by one frame: this audio is utterance frames frame-1 ..
+            # frame+n-2; drop those in [0, skip) (the lead's silence), keep the previous utterance's tail
+            hop = len(audio) // n if n else 0
+            lo, hi = max(0, -(cur.frame - 1)), min(n, utt.skip - (cur.frame - 1))
+            if hi > lo:
+                audio = np.concatenate([audio[: lo * hop], audio[hi * hop :]])
         cur.frame += n
         last = cur.frame >= utt.frames
         k = cur.done_words
@@ -296,7 +315,7 @@ class FlowTtsStage:
                 flow = FlowState.stack([c.flow for c in group])  # type: ignore[misc]
                 cond = torch.cat([c.utterances[c.u].cond[:, c.frame : c.frame + n] for c in group])
                 mu = torch.cat([c.utterances[c.u].mu[:, c.frame : c.frame + n] for c in group])
-                y, flow = self.model.step(flow, cond, mu)
+                y, flow = self.model.step(flow, cond, mu, temperature=self.temperature)
                 dec = DecoderState.stack([c.decoder for c in group])
                 audio, dec = self.codec.decode_latent_step(dec, self._latent(y))
                 for c, f, d, a in zip(group, flow.unbind(), dec.unbind(), audio.numpy(), strict=True):
@@ -434,6 +453,7 @@ def load_flow_tts_stage(cfg: ComponentConfig) -> FlowTtsStage:
         first_phrase_words=int(opts.get("first_phrase_words", 3)),
         max_phrase_words=int(opts.get("max_phrase_words", 12)),
         chunks_per_call=int(opts.get("chunks_per_call", 0)),
+        temperature=float(opts.get("temperature", 1.0)),
     )
     stage.meta = meta
     return stage

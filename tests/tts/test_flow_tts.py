@@ -138,7 +138,21 @@ def test_words_arrive_no_earlier_than_their_audio() -> None:
         for w in c.text.split():
             u = next(u for u in utts if w in u.words)
             end = u.word_end[u.words.index(w)]
-            assert heard >= min(end + 1, u.frames) * 900
+            assert heard + u.skip * 900 >= min(end + 1, u.frames) * 900  # the lead's frames are not played
+
+
+def test_the_lead_silence_is_computed_but_not_played() -> None:
+    """Each utterance starts with the lead pad the model was trained on; all but LEAD_KEEP_FRAMES of its
+    frames are dropped from the audio, so phrases follow each other without 300 ms gaps."""
+    from tts.flow_tts import LEAD_KEEP_FRAMES, LEAD_UNITS
+
+    st = make_stage(first_phrase_words=12)
+    text = "Hello there. How are you?"
+    utts = st.utterances(text)
+    assert len(utts) == 2 and all(u.skip == LEAD_UNITS * 2 // 3 - LEAD_KEEP_FRAMES for u in utts)
+    audio = sum(len(c.audio) for c in run(st, [text]))
+    flush = 900
+    assert audio == sum(u.frames - u.skip for u in utts) * 900 + flush
 
 
 def test_split_invariant_and_deterministic() -> None:
