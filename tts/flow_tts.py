@@ -167,10 +167,11 @@ class _Cursor:
     flow: FlowState | None = None
     chunks: list[TtsChunk] = field(default_factory=list)
     done_words: int = 0
-    limit: int = 0  # chunks to produce in this call (0: all)
+    limit: int = 0  # chunks with speech to produce in this call (0: all)
+    audible: int = 0  # chunks produced in this call that reach past their utterance's lead
 
     def next_n(self, chunk: int) -> int | None:
-        if self.u >= len(self.utterances) or (self.limit and len(self.chunks) >= self.limit):
+        if self.u >= len(self.utterances) or (self.limit and self.audible >= self.limit):
             return None
         return min(chunk, self.utterances[self.u].frames - self.frame)
 
@@ -287,6 +288,8 @@ class FlowTtsStage:
                 audio = np.concatenate([audio[: lo * hop], audio[hi * hop :]])
         cur.frame += n
         last = cur.frame >= utt.frames
+        if last or cur.frame > utt.skip + 1:  # +1: the codec's frame of delay
+            cur.audible += 1
         k = cur.done_words
         while k < len(utt.words) and (last or utt.word_end[k] + 1 <= cur.frame):
             k += 1

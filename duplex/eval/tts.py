@@ -32,6 +32,7 @@ TARGETS = {
     "chunk_ratio": 0.2,  # chunk 50 within +-20 % of chunk 2
     "bitrate_bps": 1000.0,
     "codes_used": 0.9,
+    "long_answer_growth_mb": 5.0,  # "memory per session flat over a 5-minute answer"
 }
 
 
@@ -40,6 +41,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("-n", type=int, default=200, help="held-out sentences")
     ap.add_argument("--steps", type=int, nargs="+", default=None, help="Euler steps (default: the profile's)")
     ap.add_argument("--timing-repeats", type=int, default=20, help="first-chunk timings per step count")
+    ap.add_argument("--long-minutes", type=float, default=5.0, help="a long answer's memory check (0: skip)")
     ap.add_argument("--out", default="eval-out", help="folder for tts.json and tts.png")
     ap.add_argument("--no-progress", action="store_true")
 
@@ -70,6 +72,38 @@ def timings(stage: Any, steps: int, repeats: int) -> dict[str, float]:
         "rtf": rtf,
         **costs,
         "chunk_ratio": abs(costs["chunk50_ms"] / costs["chunk2_ms"] - 1.0),
+    }
+
+
+def long_answer_memory(stage: Any, minutes: float = 5.0) -> dict[str, Any]:
+    """One response of `minutes` of speech, streamed word by word and collected chunk by chunk as the
+    session core does: RSS (after giving freed heap back) each minute of audio, and the state's size."""
+    import gc
+
+    from duplex.base.messages import TtsInput
+    from duplex.runtime.heap import malloc_trim, rss_mb
+    from tts.loading import step_all
+    from tts.training.bench_flow import LONG
+
+    state, audio_s, marks, t0 = stage.init_state(), 0.0, [], time.perf_counter()
+    words = (LONG + " ") * 200
+    next_mark = 0.0
+    for word in words.split():
+        out, state = step_all(stage, state, TtsInput(word + " ", False))
+        audio_s += sum(len(c.audio) for c in out) / stage.sample_rate
+        if audio_s >= next_mark:
+            gc.collect()
+            marks.append({"audio_min": round(audio_s / 60, 2), "rss_mb": malloc_trim() or rss_mb()})
+            next_mark += 60.0
+        if audio_s >= minutes * 60:
+            break
+    step_all(stage, state, TtsInput("", True))
+    rss = [m["rss_mb"] for m in marks]
+    return {
+        "audio_s": audio_s,
+        "compute_s": time.perf_counter() - t0,
+        "rss_by_minute": marks,
+        "rss_growth_mb": rss[-1] - rss[1] if len(rss) > 2 else 0.0,  # from the first minute on (warm)
     }
 
 
@@ -122,6 +156,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     wer = {k: corpus_wer(sentences, v) for k, v in hyp.items()}
     codes = np.concatenate(codes_all)
     rep = code_report(stage.codec, codes, int(len(codes) * stage.codec.cfg.samples_per_code))
+    memory = long_answer_memory(stage, args.long_minutes) if args.long_minutes > 0 else None
     timing = {
         str(s): timings(stage, s, args.timing_repeats)
         for s in tqdm(steps, desc="timing", disable=args.no_progress)
@@ -142,6 +177,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "entropy_bps": rep.entropy_bps,
         "codes_used_per_group": rep.used_share,
         "timing_one_thread": timing,
+        "long_answer": memory,
         "targets": TARGETS,
         "examples": [{"text": t, **{k: v[i] for k, v in hyp.items()}} for i, t in enumerate(sentences[:5])],
     }
@@ -184,6 +220,11 @@ def verdicts(res: dict[str, Any]) -> list[tuple[str, str, bool]]:
             )
         )
     out.append(("bitrate", f"{res['bitrate_bps']:.1f} bps", res["bitrate_bps"] <= t["bitrate_bps"]))
+    if res.get("long_answer"):
+        la = res["long_answer"]
+        grew = la["rss_growth_mb"]
+        what = f"memory over a {la['audio_s'] / 60:.1f}-minute answer (minute 1 to end)"
+        out.append((what, f"{grew:+.1f} MB", grew <= t["long_answer_growth_mb"]))
     used = min(res["codes_used_per_group"])
     out.append(("codes used (least-used group)", f"{100 * used:.1f} %", used >= t["codes_used"]))
     return out

@@ -210,9 +210,11 @@ def test_chunk_by_chunk_calls_give_the_same_samples_and_words() -> None:
         assert [c.text for c in chunks] == [c.text for c in whole]
         for c1, c2 in zip(chunks, whole, strict=True):
             np.testing.assert_allclose(c1.audio, c2.audio, atol=1e-5)
-        assert max(per_call) <= 2 and per_call[next(i for i, n in enumerate(per_call) if n)] == 1
+        # a call stops at its first (then second) chunk with speech; lead-only chunks before it ride along
+        assert max(per_call) <= 3 and per_call[next(i for i, n in enumerate(per_call) if n)] <= 2
     out, state = inc.step(inc.init_state(), TtsInput(text, final=True))
-    assert len(out) == 1 and inc.pending(state) and state.decoder is not None  # nothing flushed yet
+    assert len(out) <= 2 and len(out[-1].audio) > 900  # ends with the first chunk that holds speech
+    assert inc.pending(state) and state.decoder is not None  # nothing flushed yet
 
 
 def test_a_whole_input_is_spoken_in_one_call() -> None:

@@ -36,13 +36,18 @@ LONG = (
 
 @torch.no_grad()
 def first_chunk_seconds(stage: FlowTtsStage, phrase: str) -> float:
-    """G2P + encoder + durations + one flow chunk + one codec step: what the first audio waits for."""
+    """G2P + encoder + durations + the flow and codec steps up to the first chunk that holds speech (the
+    lead pad's frames are computed, their audio dropped): what the first audible sound waits for."""
     t0 = time.perf_counter()
     utt = stage.utterances(phrase)[0]
-    n = min(stage.chunk, utt.frames)
     state = stage.model.init_state(1, stage.steps, stage.chunk)
-    y, _ = stage.model.step(state, utt.cond[:, :n], utt.mu[:, :n])
-    stage.codec.decode_latent_step(stage.codec.init_state(1), stage._latent(y))
+    dec = stage.codec.init_state(1)
+    done = 0
+    while done <= utt.skip + 1 and done < utt.frames:  # +1: the codec's one frame of delay
+        n = min(stage.chunk, utt.frames - done)
+        y, state = stage.model.step(state, utt.cond[:, done : done + n], utt.mu[:, done : done + n])
+        _, dec = stage.codec.decode_latent_step(dec, stage._latent(y))
+        done += n
     return time.perf_counter() - t0
 
 
