@@ -16,6 +16,32 @@ from typing import Any
 from duplex.runtime.heap import malloc_trim, rss_mb
 
 
+def live_tensors() -> dict[str, tuple[int, int]]:
+    """Live torch tensors reachable by the garbage collector, by dtype and shape: (count, bytes of their
+    distinct storages). tracemalloc does not see tensor storage; this does (when torch is loaded)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}
+    seen: set[int] = set()
+    out: dict[str, tuple[int, int]] = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+                continue
+            storage = obj.untyped_storage()
+            key = f"{str(obj.dtype).replace('torch.', '')}{list(obj.shape)}"
+            ptr = storage.data_ptr()
+            size = 0 if ptr in seen else storage.nbytes()
+            seen.add(ptr)
+        except Exception:  # a tensor subclass or a freed storage: not ours to judge
+            continue
+        n, b = out.get(key, (0, 0))
+        out[key] = (n + 1, b + size)
+    return out
+
+
 class MemTrace:
     """Snapshots on demand; `report()` compares with the first one (the baseline)."""
 
@@ -23,6 +49,7 @@ class MemTrace:
         self.frames, self.top, self.trim = max(1, frames), top, trim
         self.out = out or Path("memtrace.txt")
         self.base: tracemalloc.Snapshot | None = None
+        self.base_tensors: dict[str, tuple[int, int]] = {}
         self.base_rss = 0.0
         self.t0 = time.time()
 
@@ -46,10 +73,24 @@ class MemTrace:
             + (f" ({trimmed:.1f} MB after malloc_trim)" if trimmed is not None else "")
             + f", traced {traced / 1e6:.1f} MB (peak {peak / 1e6:.1f} MB), gc objects {len(gc.get_objects())}"
         ]
+        tensors = live_tensors()
+        lines.append(
+            f"live torch tensors: {sum(n for n, _ in tensors.values())}, "
+            f"{sum(b for _, b in tensors.values()) / 1e6:.1f} MB of storage"
+        )
         if self.base is None:
-            self.base, self.base_rss = snap, rss
+            self.base, self.base_rss, self.base_tensors = snap, rss, tensors
             lines.append("baseline taken; the next report shows what grew since")
         else:
+            grown = sorted(
+                (
+                    (b - self.base_tensors.get(k, (0, 0))[1], n - self.base_tensors.get(k, (0, 0))[0], k)
+                    for k, (n, b) in tensors.items()
+                ),
+                reverse=True,
+            )
+            lines.append("tensor storage grown since the baseline, by dtype and shape:")
+            lines += [f"{db / 1e6:+9.3f} MB {dn:+6d} tensors  {k}" for db, dn, k in grown[:15] if db > 0]
             lines.append(f"since the baseline: RSS {rss - self.base_rss:+.1f} MB; top sites by growth:")
             for stat in snap.compare_to(self.base, "traceback")[: self.top]:
                 if stat.size_diff <= 0:
