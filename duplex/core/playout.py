@@ -97,6 +97,10 @@ class Playout:
         chunk = self._chunks[0]
         return chunk.start + chunk.sent / self.sr - self.lead
 
+    def buffered(self, now: float) -> float:
+        """Seconds of audio queued ahead of `now` (0 while held: the hold's end is unknown)."""
+        return 0.0 if self._held_at is not None else max(0.0, self._end - now)
+
     def pending(self) -> bool:
         """Audio is queued but not yet released."""
         return bool(self._chunks)

@@ -779,11 +779,14 @@ class SessionCore:
         final = resp.llm_done
         if not resp.tts_pending and not final and not owes:
             return
+        budget = self.budgets["tts"]
+        if owes and not resp.tts_pending and resp.committed:
+            # only what the stage owes: due when the audio already queued runs out, so that other sessions'
+            # first chunks (earlier deadlines) run first
+            budget = max(budget, self.playout.buffered(self.clock()) - budget)
         text, resp.tts_pending = resp.tts_pending, ""
         resp.tts_final_sent = final
-        self._submit(
-            "tts", "tts", resp.tts_state, TtsInput(text, final), self.budgets["tts"], tag=(resp.rid, final)
-        )
+        self._submit("tts", "tts", resp.tts_state, TtsInput(text, final), budget, tag=(resp.rid, final))
 
     def _on_tts(self, job: Job, out: Any, state: Any) -> None:
         if job.tag[0] == "bc":

@@ -89,6 +89,23 @@ def test_a_tts_that_owes_chunks_is_stepped_until_it_has_said_everything():
     assert decode_tones(result.audio(), 24000) == "paris is the capital of france".split()
     assert tts.calls >= 6  # one word per call: the core came back for what was owed
 
+    # what is owed is due when the queued audio runs out: a later deadline than a first chunk's
+    clock = FakeClock()
+    core = SessionCore("s3", profile, replace(fake_stages(answer), tts=OwingToneTts()), clock)
+    budgets: list[float] = []
+    take = core.take_jobs
+
+    def taken() -> list:
+        got = take()
+        budgets.extend(round(j.deadline - clock.t, 3) for j in got if j.stage == "tts")
+        return got
+
+    core.take_jobs = taken  # type: ignore[method-assign]
+    replay(core, clock, audio, COSTS)
+    first = profile.component("tts").budget("chunk")
+    assert budgets[0] == pytest.approx(first)  # the answer's first chunk: the plain budget
+    assert max(budgets) > first + 0.1  # owed chunks wait behind the audio already queued
+
     clock = FakeClock()
     core = SessionCore("s2", profile, replace(fake_stages(answer), tts=OwingToneTts()), clock)
     question = tone_speech("tell me a story")
