@@ -557,7 +557,18 @@ async def run_soak(
             with contextlib.suppress(asyncio.CancelledError):
                 await t
     await asyncio.sleep(settle_s)
-    samples.append(await sample("idle"))
+    # closing sessions leave the server asynchronously (slower on a loaded machine): the idle sample is the
+    # first with no session and no more tasks than before the callers, or the one 10 s later
+    first, end = samples[0], loop.time() + 10.0
+    while True:
+        last = await sample("idle")
+        tasks_back = (
+            not isinstance(first.get("server_tasks"), int) or last["server_tasks"] <= first["server_tasks"]
+        )
+        if (last["sessions"] == 0 and tasks_back) or loop.time() >= end:
+            break
+        await asyncio.sleep(0.25)
+    samples.append(last)
     result = soak_result(url, n, duration_s, sample_every_s, samples, results, t0)
     result["settings"].update(
         {
