@@ -461,25 +461,15 @@ def _compare_relay(
         pauses = sm.get("pause_takeover") or {}
         memory = sm.get("memory") or {}
 
-        def ms(x: Any) -> str:
-            return "-" if x is None else f"{1000 * x:.0f}"
-
         def rate(d: dict[str, Any], key: str = "rate") -> str:
             return "-" if not d or d.get(key) is None else f"{100 * d[key]:.0f} %"
 
         lines.append(
-            f"{name:<16}{ms(on.get('p50')):>10}{ms(on.get('p90')):>8}{on.get('n', 0):>5}{rate(facts):>9}"
+            f"{name:<16}{_ms(on.get('p50')):>10}{_ms(on.get('p90')):>8}{on.get('n', 0):>5}{rate(facts):>9}"
             f"{facts.get('wrong_from_draft', '-')!s:>12}{rate(pauses):>14}{rate(memory):>9}"
             f"{sm.get('relay_committed', 0)!s:>6}/{sm.get('relay_drafted', 0)!s:<6}"
         )
-    table = "\n".join(lines)
-    print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare-relay.txt").write_text(table.strip() + "\n")
-    (out / "compare-relay.json").write_text(json.dumps({n: sm for n, sm in rows}, indent=1, default=str))
-    print(f"\nwrote {out / 'compare-relay.txt'} and {out / 'compare-relay.json'}")
-    return 0
+    return _save_comparison(Path(args.out), "compare-relay", lines, rows)
 
 
 def _compare_tts(
@@ -550,19 +540,24 @@ def _compare_tts(
     for name, sm in rows:
         on, bi = sm.get("onset_s") or {}, sm.get("barge_in_reaction_s") or {}
 
-        def ms(x: Any) -> str:
-            return "-" if x is None else f"{1000 * x:.0f}"
-
         failed = sm.get("turns_failed", 0) + sm.get("barge_ins_failed", 0)
         lines.append(
-            f"{name:<14}{ms(on.get('p50')):>10}{ms(on.get('p90')):>8}{on.get('n', 0):>5}{ms(bi.get('p50')):>14}"
+            f"{name:<14}{_ms(on.get('p50')):>10}{_ms(on.get('p90')):>8}{on.get('n', 0):>5}{_ms(bi.get('p50')):>14}"
             f"{sm.get('leaked_frames_total', 0)!s:>8}{failed!s:>8}"
         )
+    return _save_comparison(Path(args.out), "compare-tts", lines, rows)
+
+
+def _ms(x: Any) -> str:
+    return "-" if x is None else f"{1000 * x:.0f}"
+
+
+def _save_comparison(out: Path, stem: str, lines: list[str], rows: list[tuple[str, dict[str, Any]]]) -> int:
+    """Print a comparison table and write it (OUT/STEM.txt) with each variant's summary (OUT/STEM.json)."""
     table = "\n".join(lines)
     print(table)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare-tts.txt").write_text(table.strip() + "\n")
-    (out / "compare-tts.json").write_text(json.dumps({n: sm for n, sm in rows}, indent=1, default=str))
-    print(f"\nwrote {out / 'compare-tts.txt'} and {out / 'compare-tts.json'}")
+    (out / f"{stem}.txt").write_text(table.strip() + "\n")
+    (out / f"{stem}.json").write_text(json.dumps({n: sm for n, sm in rows}, indent=1, default=str))
+    print(f"\nwrote {out / f'{stem}.txt'} and {out / f'{stem}.json'}")
     return 0

@@ -299,3 +299,10 @@ def test_compare_relay_runs_each_variant_on_one_server(tmp_path) -> None:
     assert all(
         (tmp_path / name / "bench.json").is_file() for name in ("relay-off", "relay-exact", "relay-verifier")
     )
+
+
+def test_compare_tts_needs_serve(capsys) -> None:
+    from duplex.cli import main as duplex_main
+
+    assert duplex_main(["bench", "--compare-tts", "cpu-flow"]) == 2
+    assert "--compare-tts needs --serve" in capsys.readouterr().err
