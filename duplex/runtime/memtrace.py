@@ -10,6 +10,7 @@ import os
 import signal
 import time
 import tracemalloc
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,12 @@ def live_tensors() -> dict[str, tuple[int, int]]:
         return {}
     seen: set[int] = set()
     out: dict[str, tuple[int, int]] = {}
-    for obj in gc.get_objects():
+    with warnings.catch_warnings():  # isinstance() on some torch module objects warns of deprecations
+        warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objects:
         try:
-            if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+            if obj.device.type != "cpu":
                 continue
             storage = obj.untyped_storage()
             key = f"{str(obj.dtype).replace('torch.', '')}{list(obj.shape)}"
