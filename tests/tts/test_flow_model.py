@@ -12,6 +12,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tts.flow_model import FlowConfig, FlowModel, FlowState
+from tts.training.train_flow import Trainer
 
 CFG = FlowConfig(
     latent_dim=4,
@@ -171,14 +172,15 @@ def synthetic_source(i: int) -> dict:
     }
 
 
+def make() -> Trainer:
+    """A tiny trainer on synthetic data (the recipe's loop, seconds per step)."""
+
+    return Trainer(
+        CFG, synthetic_source, pool_size=12, batch=3, norm_examples=4, warmup=2, log=lambda _: None
+    )
+
+
 def test_resume_gives_identical_next_loss() -> None:
-    from tts.training.train_flow import Trainer
-
-    def make() -> Trainer:
-        return Trainer(
-            CFG, synthetic_source, pool_size=12, batch=3, norm_examples=4, warmup=2, log=lambda _: None
-        )
-
     a = make()
     a.start()
     for _ in range(3):
@@ -199,13 +201,6 @@ def test_a_run_starts_from_exported_weights(tmp_path) -> None:
     """What the repository ships (fp16 EMA, no optimiser) is enough to continue training: the new run's
     model and EMA are the export's, at its step and data position, with the lr warming up again."""
     from safetensors.torch import save_file
-
-    from tts.training.train_flow import Trainer
-
-    def make() -> Trainer:
-        return Trainer(
-            CFG, synthetic_source, pool_size=12, batch=3, norm_examples=4, warmup=2, log=lambda _: None
-        )
 
     a = make()
     a.start()
