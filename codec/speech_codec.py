@@ -308,3 +308,24 @@ def load_codec(path: str, map_location: str = "cpu") -> SpeechCodec:
     sd = {k: v.float() for k, v in load_file(path, device=map_location).items()}
     model.load_state_dict(sd)
     return model.eval()
+
+
+def latent_sha256(path: str) -> str:
+    """Fingerprint of what defines a codec's latent: its config and encoder tensors (not the decoder).
+
+    A flow model predicts the latent, so it stays valid for any codec file with the same fingerprint,
+    e.g. one whose decoder was trained further with the encoder frozen (`train_codec --freeze-encoder`).
+    """
+    import hashlib
+
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    with safe_open(path, "pt") as f:
+        h.update((f.metadata() or {}).get("config", "").encode())
+        for key in sorted(k for k in f.keys() if k.startswith("enc_")):
+            t = f.get_tensor(key).contiguous()
+            h.update(key.encode())
+            h.update(str(t.dtype).encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

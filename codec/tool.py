@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from codec.resample import SUPPORTED_RATES, resample
-from codec.speech_codec import SR, SpeechCodec, load_codec
+from codec.speech_codec import SR, SpeechCodec, latent_sha256, load_codec
 
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights" / "speech_codec.safetensors"
 
@@ -123,6 +123,7 @@ def save_codes(path: Path, model: SpeechCodec, weights: Path, codes: np.ndarray,
             sample_rate=np.array(SR),
             samples=np.array(samples),
             codec_sha256=np.array(hashlib.sha256(weights.read_bytes()).hexdigest()),
+            codec_latent_sha256=np.array(latent_sha256(str(weights))),
         )
     except OSError as exc:
         raise CodecToolError(f"cannot write {path}: {exc}") from None
@@ -132,6 +133,7 @@ def load_codes(path: Path, model: SpeechCodec, weights: Path) -> tuple[np.ndarra
     try:
         z = np.load(path)
         codes, samples, sha = z["codes"], int(z["samples"]), str(z["codec_sha256"])
+        latent = str(z["codec_latent_sha256"]) if "codec_latent_sha256" in z.files else None
         levels, groups = tuple(int(v) for v in z["levels"]), int(z["groups"])
     except (OSError, KeyError, ValueError) as exc:
         raise CodecToolError(f"{path} is not a codes file written by `duplex codec encode`: {exc}") from None
@@ -139,7 +141,8 @@ def load_codes(path: Path, model: SpeechCodec, weights: Path) -> tuple[np.ndarra
         raise CodecToolError(
             f"{path} was encoded with levels {levels} x {groups} groups; this codec has others"
         )
-    if sha != hashlib.sha256(weights.read_bytes()).hexdigest():
+    same_encoder = latent is not None and latent == latent_sha256(str(weights))  # decoder trained further
+    if sha != hashlib.sha256(weights.read_bytes()).hexdigest() and not same_encoder:
         raise CodecToolError(
             f"{path} was encoded with codec {sha[:12]}, not {weights}: decode with that codec"
         )

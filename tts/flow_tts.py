@@ -415,17 +415,38 @@ def _flow_files(cfg: ComponentConfig) -> tuple[Path, Path, dict]:
             f"speech codec weights not found at {codec_path}: the flow TTS decodes with the codec it was trained on "
             f"(python -m codec.training.train_codec ... --export codec/weights)"
         )
-    want = meta.get("codec_sha256")
-    if want:
-        import hashlib
-
-        got = hashlib.sha256(codec_path.read_bytes()).hexdigest()
-        if got != want:
-            raise ModelError(
-                f"the flow model was trained on codec {want[:12]} but {codec_path} is {got[:12]}: retrain it "
-                f"on this codec ({TRAIN_HINT})"
-            )
+    check_codec(meta, codec_path)
     return path, codec_path, meta
+
+
+def check_codec(meta: dict, codec_path: Path) -> None:
+    """ModelError unless `codec_path` is the codec the flow model was trained on, or one with its latent.
+
+    The file's sha256 must match `codec_sha256`; failing that, the fingerprint of its encoder
+    (`codec_latent_sha256`), so a codec whose decoder alone was trained further still fits.
+    """
+    want = meta.get("codec_sha256")
+    if not want:
+        return
+    import hashlib
+
+    got = hashlib.sha256(codec_path.read_bytes()).hexdigest()
+    if got == want:
+        return
+    want_latent = meta.get("codec_latent_sha256")
+    if want_latent:
+        from codec.speech_codec import latent_sha256
+
+        if latent_sha256(str(codec_path)) == want_latent:
+            return
+        raise ModelError(
+            f"the flow model predicts the latent of codec encoder {want_latent[:12]}, but {codec_path} has another "
+            f"encoder: retrain it on this codec ({TRAIN_HINT})"
+        )
+    raise ModelError(
+        f"the flow model was trained on codec {want[:12]} but {codec_path} is {got[:12]}: retrain it "
+        f"on this codec ({TRAIN_HINT})"
+    )
 
 
 def check_flow_weights(cfg: ComponentConfig) -> tuple[str, str]:

@@ -145,6 +145,11 @@ class ExamplePool:
         return out
 
 
+def is_encoder_param(name: str) -> bool:
+    """Parameters that define the latent: the encoder up to its output projection (FSQ has none)."""
+    return name.startswith("enc_")
+
+
 # -- loss ---------------------------------------------------------------------------------------------
 def codec_loss(model: SpeechCodec, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
     z = model.encode_latent(batch["mel"])
@@ -198,6 +203,7 @@ class Trainer:
         ema_decay: float = 0.999,
         pca_examples: int = 300,
         device: str = "cpu",
+        freeze_encoder: bool = False,
         log: Callable[[str], None] = print,
     ) -> None:
         torch.manual_seed(seed)
@@ -217,12 +223,22 @@ class Trainer:
         )
         self.model = SpeechCodec(cfg)
         self.ema = copy.deepcopy(self.model)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.8, 0.99), weight_decay=1e-4)
+        self.freeze_encoder = freeze_encoder
+        if (
+            freeze_encoder
+        ):  # the latent (what the flow model predicts) stays bit for bit; only the decoder learns
+            for name, p in self.model.named_parameters():
+                if is_encoder_param(name):
+                    p.requires_grad_(False)
+        self.opt = torch.optim.AdamW(self.trainable(), lr=lr, betas=(0.8, 0.99), weight_decay=1e-4)
         self.rng = np.random.default_rng(seed)
         self.pool = ExamplePool(self.model, source, pool_size)
         self.step_n = 0
         self.pos = 0  # next teacher example index
         self.pca_ready = False
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def setup_pca(self) -> dict:
         ex = [self.source(i) for i in range(self.pca_examples)]
@@ -259,12 +275,13 @@ class Trainer:
         loss, parts = codec_loss(self.model, b)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        gn = torch.nn.utils.clip_grad_norm_(self.trainable(), 1.0)
         self.opt.step()
         d = min(self.ema_decay, (1 + self.step_n) / (10 + self.step_n))
         with torch.no_grad():
             for pe, pm in zip(self.ema.parameters(), self.model.parameters(), strict=True):
-                pe.lerp_(pm, 1 - d)
+                if pm.requires_grad:
+                    pe.lerp_(pm, 1 - d)
         self.step_n += 1
         return parts | {"grad_norm": float(gn), "lr": self.lr_at(self.step_n - 1)}
 
@@ -278,6 +295,7 @@ class Trainer:
             "pos": self.pos,
             "rng": rng_state(self.rng),
             "pca_ready": self.pca_ready,
+            "freeze_encoder": self.freeze_encoder,
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -395,6 +413,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init", type=Path, default=None, help="start from shipped weights (safetensors)")
     ap.add_argument(
+        "--freeze-encoder",
+        action="store_true",
+        help="train the decoder only: the latent (and so a flow model trained on it) stays valid",
+    )
+    ap.add_argument(
         "--export", type=Path, default=None, help="export the run's EMA weights to this folder and exit"
     )
     args = ap.parse_args(argv)
@@ -416,6 +439,9 @@ def main(argv: list[str] | None = None) -> None:
     from codec.training.hibari_teacher import heldout_sentences, training_sentences
 
     cfg = CodecConfig()
+    ck = run / CKPT
+    saved = torch.load(ck, map_location="cpu", weights_only=False) if ck.is_file() else None
+    freeze = args.freeze_encoder or bool(saved and saved.get("freeze_encoder"))
     source = TeacherSource(training_sentences(), seed=args.seed, threads=1)
     trainer = Trainer(
         cfg,
@@ -428,11 +454,11 @@ def main(argv: list[str] | None = None) -> None:
         refresh=args.refresh,
         seed=args.seed,
         device=args.device,
+        freeze_encoder=freeze,
         log=log,
     )
-    ck = run / CKPT
-    if ck.is_file():
-        trainer.load_state_dict(torch.load(ck, map_location="cpu", weights_only=False))
+    if saved is not None:
+        trainer.load_state_dict(saved)
         log(f"resumed from {ck} at step {trainer.step_n}, data position {trainer.pos}")
     elif args.init:
         from safetensors.torch import load_file
@@ -441,7 +467,11 @@ def main(argv: list[str] | None = None) -> None:
         trainer.model.load_state_dict(sd)
         trainer.ema.load_state_dict(sd)
         trainer.pca_ready = True
-        log(f"initialised from {args.init}")
+        meta_path = args.init.with_suffix(".json")
+        if meta_path.is_file():  # continue the data stream where the shipped run stopped
+            trainer.pos = int(json.loads(meta_path.read_text()).get("examples_seen", 0))
+        log(f"initialised from {args.init} (data position {trainer.pos}, encoder frozen: {freeze})")
+    del saved
     command = " ".join([sys.executable.split("/")[-1], "-m", "codec.training.train_codec", *sys.argv[1:]])
     t0 = time.time()
     trainer.start()

@@ -201,7 +201,7 @@ def fake_source(index: int) -> dict:
     }
 
 
-def make_trainer():
+def make_trainer(**kw):
     from codec.training.train_codec import Trainer
 
     return Trainer(
@@ -214,6 +214,7 @@ def make_trainer():
         pca_examples=4,
         seed=7,
         log=lambda _: None,
+        **kw,
     )
 
 
@@ -249,3 +250,45 @@ def test_export_round_trip(tmp_path):
     codes = random_codes(m, 1, 6)
     ref = t.ema.eval().decode(codes)
     torch.testing.assert_close(m.decode(codes), ref, atol=5e-3, rtol=5e-2)
+
+
+def _export(trainer, folder):
+    from codec.training.train_codec import CKPT, export, save_checkpoint
+
+    folder.mkdir()
+    save_checkpoint(folder / CKPT, **trainer.state_dict())
+    return export(folder, folder / "w")
+
+
+def test_frozen_encoder_keeps_the_latent_and_its_fingerprint(tmp_path):
+    """--freeze-encoder trains the decoder only: encoder tensors (model and EMA) stay bit for bit, so the
+    exported codec has another sha256 but the same latent fingerprint; the checkpoint says it is frozen."""
+    from codec.speech_codec import latent_sha256
+    from codec.training.train_codec import is_encoder_param
+
+    t = make_trainer()
+    t.start()
+    t.step()
+    before = _export(t, tmp_path / "a")
+
+    f = make_trainer(freeze_encoder=True)  # as `--init`: model and EMA from the shipped weights
+    f.model.load_state_dict(t.ema.state_dict())
+    f.ema.load_state_dict(t.ema.state_dict())
+    f.pca_ready, f.pos = True, t.pos
+    enc0 = {k: v.clone() for k, v in f.model.state_dict().items() if is_encoder_param(k)}
+    dec0 = {k: v.clone() for k, v in f.model.state_dict().items() if k.startswith("dec_")}
+    f.start()
+    for _ in range(3):
+        f.step()
+    for m in (f.model, f.ema):
+        for k, v in m.state_dict().items():
+            if is_encoder_param(k):
+                assert torch.equal(v, enc0[k]), k
+    assert any(not torch.equal(v, dec0[k]) for k, v in f.model.state_dict().items() if k in dec0)
+    after = _export(f, tmp_path / "b")
+    assert before.read_bytes() != after.read_bytes()
+    assert latent_sha256(str(before)) == latent_sha256(str(after))
+    assert f.state_dict()["freeze_encoder"] is True
+
+    t.step()  # the encoder trained on: another latent
+    assert latent_sha256(str(_export(t, tmp_path / "c"))) != latent_sha256(str(before))

@@ -74,6 +74,17 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path, weights: Path) -> None:
     save_file(sd, str(other), metadata={"config": json.dumps(TINY.to_dict())})
     with pytest.raises(CodecToolError, match="decode with that codec"):
         main("decode", tmp_path / "c.npz", tmp_path / "o.wav", other)
+    # ... but they do with the same encoder and a decoder trained further (`train_codec --freeze-encoder`)
+    m = tiny_codec(3)
+    sd = {k: v + 0.01 if k.startswith("dec_") else v for k, v in m.state_dict().items()}
+    tuned = tmp_path / "tuned.safetensors"
+    save_file(
+        {k: v.contiguous() for k, v in sd.items()},
+        str(tuned),
+        metadata={"config": json.dumps(TINY.to_dict())},
+    )
+    main("decode", tmp_path / "c.npz", tmp_path / "o.wav", tuned)
+    assert sf.info(str(tmp_path / "o.wav")).frames == SR // 2
 
 
 def test_the_cli_reports_errors_with_exit_code_2(tmp_path: Path, weights: Path, capsys) -> None:

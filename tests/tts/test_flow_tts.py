@@ -290,3 +290,24 @@ def test_loader_reads_exported_weights_and_checks_the_codec(tmp_path) -> None:
     (tmp_path / "flow_model.json").write_text(json.dumps(meta | {"codec_sha256": "0" * 64}))
     with pytest.raises(ModelError, match="retrain"):
         load_flow_tts_stage(cfg)
+
+    # a codec whose decoder alone was trained further fits through the latent fingerprint; another encoder not
+    from codec.speech_codec import latent_sha256
+
+    meta["codec_latent_sha256"] = latent_sha256(str(tmp_path / "codec.safetensors"))
+
+    def write_codec(prefix: str) -> None:
+        sd = {
+            k: v + 0.01 if k.startswith(prefix) and v.is_floating_point() else v for k, v in codec_sd.items()
+        }
+        save_file(
+            sd, str(tmp_path / "codec.safetensors"), metadata={"config": json.dumps(st.codec.cfg.to_dict())}
+        )
+
+    (tmp_path / "flow_model.json").write_text(json.dumps(meta))
+    write_codec("dec_")
+    assert hashlib.sha256((tmp_path / "codec.safetensors").read_bytes()).hexdigest() != sha
+    assert load_flow_tts_stage(cfg).codec is not None
+    write_codec("enc_")
+    with pytest.raises(ModelError, match="another encoder"):
+        load_flow_tts_stage(cfg)

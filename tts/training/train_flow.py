@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from codec.speech_codec import SpeechCodec
+from codec.speech_codec import SpeechCodec, latent_sha256
 from codec.training.eval_codec import load_codec_any
 from codec.training.train_codec import save_checkpoint
 from tts.flow_model import FlowConfig, FlowModel, chunk_mask
@@ -447,6 +447,7 @@ def export(run: Path, out_dir: Path, codec_file: Path | None = None) -> Path:
         "teacher": "hibari-tts==0.2.1 (heart): phonemes, durations; audio -> speech codec latent",
         "codec_file": str(shown),  # relative to this folder, else to the repository
         "codec_sha256": hashlib.sha256(codec_file.read_bytes()).hexdigest(),
+        "codec_latent_sha256": latent_sha256(str(codec_file)),
         "train_command": sd.get("command", ""),
         "bytes": path.stat().st_size,
     }
