@@ -58,6 +58,13 @@ class FSQ(nn.Module):
         half_width = torch.div(self._lv(), 2, rounding_mode="floor")
         return round_ste(self.bound(z)) / half_width
 
+    def snap(self, y: torch.Tensor) -> torch.Tensor:
+        """A predicted latent scaled like `quantize`'s output [..., G*D] -> the nearest grid point."""
+        lv = self._lv()
+        half_width = torch.div(lv, 2, rounding_mode="floor")
+        y = torch.minimum(torch.maximum(y, -torch.ones_like(lv)), (lv - 1 - half_width) / half_width)
+        return torch.round(y * half_width) / half_width
+
     def codes(self, zq: torch.Tensor) -> torch.Tensor:
         """Quantised latent [..., G*D] -> integer codes [..., G]."""
         lv = self._lv()

@@ -236,6 +236,12 @@ class SpeechCodec(nn.Module):
         nz = self.nz_mean + (feats.nz * self.nz_std) @ self.nz_basis
         return f0, lh, nz
 
+    def latent_sha256(self) -> str:
+        """`latent_fingerprint` of this model (equal to its exported file's `latent_sha256`)."""
+        import json
+
+        return latent_fingerprint(json.dumps(self.cfg.to_dict()), self.state_dict())
+
     def init_state(self, batch: int = 1, device: torch.device | str = "cpu") -> DecoderState:
         return DecoderState(
             [b.zero_cache(batch, device) for b in self.dec_slow],
@@ -310,22 +316,26 @@ def load_codec(path: str, map_location: str = "cpu") -> SpeechCodec:
     return model.eval()
 
 
-def latent_sha256(path: str) -> str:
-    """Fingerprint of what defines a codec's latent: its config and encoder tensors (not the decoder).
+def latent_fingerprint(config_json: str, tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of what defines a codec's latent: its config and its encoder tensors (as fp16), not the decoder.
 
-    A flow model predicts the latent, so it stays valid for any codec file with the same fingerprint,
-    e.g. one whose decoder was trained further with the encoder frozen (`train_codec --freeze-encoder`).
-    """
+    A flow model predicts the latent, so it stays valid for any codec with the same fingerprint, e.g. one
+    whose decoder was trained further with the encoder frozen (`train_codec --freeze-encoder`)."""
     import hashlib
 
+    h = hashlib.sha256(config_json.encode())
+    for key in sorted(k for k in tensors if k.startswith("enc_")):
+        t = tensors[key].detach().cpu().half().contiguous()
+        h.update(key.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def latent_sha256(path: str) -> str:
+    """`latent_fingerprint` of a codec file written by the training recipe (config in its metadata)."""
     from safetensors import safe_open
 
-    h = hashlib.sha256()
     with safe_open(path, "pt") as f:
-        h.update((f.metadata() or {}).get("config", "").encode())
-        for key in sorted(k for k in f.keys() if k.startswith("enc_")):
-            t = f.get_tensor(key).contiguous()
-            h.update(key.encode())
-            h.update(str(t.dtype).encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+        config = (f.metadata() or {}).get("config", "")
+        return latent_fingerprint(config, {k: f.get_tensor(k) for k in f.keys() if k.startswith("enc_")})

@@ -216,9 +216,6 @@ class FlowTtsStage:
         self.chunks_per_call = max(0, int(chunks_per_call))
         self.segmenter = PhraseSegmenter(first_phrase_words, max_phrase_words)
         self.meta: dict = {}  # the weights' metadata (step, data, command) when loaded from a folder
-        levels = torch.tensor(codec.fsq.levels, dtype=torch.float32).repeat(codec.fsq.groups)
-        self._half = torch.div(levels, 2, rounding_mode="floor")
-        self._lo, self._hi = -torch.ones_like(levels), (levels - 1 - self._half) / self._half
 
     def init_state(self) -> FlowTtsState:
         return FlowTtsState(phrases=self.segmenter.init_state())
@@ -271,10 +268,7 @@ class FlowTtsStage:
 
     # -- back half: utterances -> chunks, batched over sessions ---------------------------------------------
     def _latent(self, y: torch.Tensor) -> torch.Tensor:
-        if not self.snap:
-            return y
-        y = torch.minimum(torch.maximum(y, self._lo), self._hi)
-        return torch.round(y * self._half) / self._half
+        return self.codec.fsq.snap(y) if self.snap else y
 
     def _advance(self, cur: _Cursor, audio: np.ndarray, n: int) -> None:
         """Record one decoded chunk: tag it with the words whose end it carries (one frame of codec delay)."""

@@ -59,7 +59,15 @@ class TeacherSource:
         speed = float(rng.uniform(0.85, 1.2)) if rng.random() < self.speed_jitter else 1.0
         chunks = self.teacher.phonemize(text) or ["ðə."]
         o = self.teacher.run(chunks[0], speed=speed, audio_seed=int(rng.integers(1 << 31)))
-        return {"audio": o.audio, "f0": o.f0, "lh": o.lh.T, "nz": merged_noise(o.ln, o.lr).T}
+        return {
+            "index": index,
+            "ids": o.ids,
+            "units": o.durations,
+            "audio": o.audio,
+            "f0": o.f0,
+            "lh": o.lh.T,
+            "nz": merged_noise(o.ln, o.lr).T,
+        }
 
 
 def fit_pca(examples: list[dict], k: int, max_frames: int = 40000, seed: int = 0) -> dict[str, np.ndarray]:
@@ -84,11 +92,21 @@ def fit_pca(examples: list[dict], k: int, max_frames: int = 40000, seed: int = 0
     return out
 
 
-class ExamplePool:
-    """Ring buffer of processed examples: slot = index % size, so the pool is a function of the data position."""
+#: raw teacher example, its log-mel [F, n_mels] -> (the quantised latent the decoder is to read [F // down, D],
+#: the weight of the example's F0 loss: 0 where the latent need not carry the teacher's pitch)
+LatentFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, float]]
 
-    def __init__(self, model: SpeechCodec, source: Callable[[int], dict], size: int) -> None:
-        self.model, self.source, self.size = model, source, size
+
+class ExamplePool:
+    """Ring buffer of processed examples: slot = index % size, so the pool is a function of the data position.
+
+    With `latents` (a frozen encoder only), each example also stores the latent the decoder reads (`zq`,
+    made once over the whole utterance), and the loss skips the encoder."""
+
+    def __init__(
+        self, model: SpeechCodec, source: Callable[[int], dict], size: int, latents: LatentFn | None = None
+    ) -> None:
+        self.model, self.source, self.size, self.latents = model, source, size, latents
         self.items: list[dict | None] = [None] * size
 
     @torch.no_grad()
@@ -104,12 +122,19 @@ class ExamplePool:
                 m, f"{name}_std"
             )
 
-        return {
+        out = {
             "mel": mel[:n].half(),
             "f0": torch.from_numpy(np.asarray(raw["f0"][:n], np.float32)),
             "lh": coefs("lh").half(),
             "nz": coefs("nz").half(),
         }
+        if self.latents is not None:
+            d = m.cfg.down
+            zq, f0_weight = self.latents(raw, mel[: n // d * d])
+            if zq.shape[0] != n // d:
+                raise ValueError(f"latents gave {zq.shape[0]} frames for {n} mel frames (want {n // d})")
+            out["zq"], out["f0_weight"] = zq.float(), float(f0_weight)
+        return out
 
     def put(self, index: int) -> None:
         self.items[index % self.size] = self.process(self.source(index))
@@ -134,6 +159,9 @@ class ExamplePool:
             "nz": torch.zeros(batch, crop, k),
             "mask": torch.zeros(batch, crop),
         }
+        if "zq" in filled[0]:
+            out["zq"] = torch.zeros(batch, crop // down, filled[0]["zq"].shape[1])
+            out["f0_weight"] = torch.ones(batch, 1)
         for b, i in enumerate(idx):
             it = filled[i]
             n = it["f0"].shape[0]
@@ -142,6 +170,11 @@ class ExamplePool:
             for key in ("mel", "f0", "lh", "nz"):
                 out[key][b, :m] = it[key][start : start + m].float()
             out["mask"][b, :m] = 1
+            if "zq" in out:
+                z = it["zq"][start // down : (start + crop) // down]
+                out["zq"][b, : len(z)] = z
+                out["mask"][b, len(z) * down :] = 0  # frames past the last whole latent frame
+                out["f0_weight"][b] = it["f0_weight"]
         return out
 
 
@@ -150,16 +183,27 @@ def is_encoder_param(name: str) -> bool:
     return name.startswith("enc_")
 
 
+def encoder_latents(model: SpeechCodec) -> LatentFn:
+    """The (frozen) encoder's quantised latent of the whole utterance."""
+
+    @torch.no_grad()
+    def latents(raw: dict, mel: torch.Tensor) -> tuple[torch.Tensor, float]:
+        return model.fsq.quantize(model.encode_latent(mel[None]))[0], 1.0
+
+    return latents
+
+
 # -- loss ---------------------------------------------------------------------------------------------
 def codec_loss(model: SpeechCodec, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-    z = model.encode_latent(batch["mel"])
-    zq = model.fsq.quantize(z)
+    """Loss of the decoder's features against the teacher's; the decoder reads the batch's `zq` when it has
+    one (a frozen encoder's latent made once, or another model's prediction of it), else the encoder's."""
+    zq = batch["zq"] if "zq" in batch else model.fsq.quantize(model.encode_latent(batch["mel"]))
     feats: Features = model.decode_features(zq)
     mask = batch["mask"]
     voiced = (batch["f0"] > VOICED_HZ).float()
     denom = mask.sum().clamp(min=1)
     l_v = (F.binary_cross_entropy_with_logits(feats.voicing, voiced, reduction="none") * mask).sum() / denom
-    vm = voiced * mask
+    vm = voiced * mask * batch["f0_weight"] if "f0_weight" in batch else voiced * mask
     log_f0 = (torch.log(batch["f0"].clamp(min=VOICED_HZ)) - LOG_F0_MEAN) / LOG_F0_STD
     l_f0 = (((feats.log_f0 - log_f0) ** 2) * vm).sum() / vm.sum().clamp(min=1)
     # L1 on coefficients weighted towards their share of the envelope's variance (sqrt: keep fine detail)
@@ -204,6 +248,7 @@ class Trainer:
         pca_examples: int = 300,
         device: str = "cpu",
         freeze_encoder: bool = False,
+        latents: LatentFn | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
         torch.manual_seed(seed)
@@ -232,7 +277,9 @@ class Trainer:
                     p.requires_grad_(False)
         self.opt = torch.optim.AdamW(self.trainable(), lr=lr, betas=(0.8, 0.99), weight_decay=1e-4)
         self.rng = np.random.default_rng(seed)
-        self.pool = ExamplePool(self.model, source, pool_size)
+        if latents is not None and not freeze_encoder:
+            raise ValueError("latents made outside the loss need a frozen encoder (freeze_encoder=True)")
+        self.pool = ExamplePool(self.model, source, pool_size, latents)
         self.step_n = 0
         self.pos = 0  # next teacher example index
         self.pca_ready = False
@@ -394,8 +441,19 @@ def export(run: Path, out_dir: Path, extra: dict | None = None) -> Path:
 
 
 # -- main ---------------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(
+    argv: list[str] | None = None,
+    *,
+    make_latents: Callable[[SpeechCodec, argparse.Namespace], LatentFn] | None = None,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    module: str = "codec.training.train_codec",
+    doc: str | None = None,
+) -> None:
+    """The recipe's command line. A recipe built on this one (tts.training.tune_decoder) passes
+    `make_latents` (what the decoder reads, with the encoder frozen) and its own arguments."""
+    ap = argparse.ArgumentParser(
+        description=doc or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--run", type=Path, required=True)
     ap.add_argument("--minutes", type=float, default=60.0)
     ap.add_argument("--device", default="cpu")
@@ -420,6 +478,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--export", type=Path, default=None, help="export the run's EMA weights to this folder and exit"
     )
+    if add_arguments is not None:
+        add_arguments(ap)
     args = ap.parse_args(argv)
 
     run: Path = args.run.expanduser()
@@ -441,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = CodecConfig()
     ck = run / CKPT
     saved = torch.load(ck, map_location="cpu", weights_only=False) if ck.is_file() else None
-    freeze = args.freeze_encoder or bool(saved and saved.get("freeze_encoder"))
+    freeze = make_latents is not None or args.freeze_encoder or bool(saved and saved.get("freeze_encoder"))
     source = TeacherSource(training_sentences(), seed=args.seed, threads=1)
     trainer = Trainer(
         cfg,
@@ -472,7 +532,11 @@ def main(argv: list[str] | None = None) -> None:
             trainer.pos = int(json.loads(meta_path.read_text()).get("examples_seen", 0))
         log(f"initialised from {args.init} (data position {trainer.pos}, encoder frozen: {freeze})")
     del saved
-    command = " ".join([sys.executable.split("/")[-1], "-m", "codec.training.train_codec", *sys.argv[1:]])
+    if (
+        freeze
+    ):  # the decoder reads latents made once per example (after the weights are in): no encoder in the step
+        trainer.pool.latents = (make_latents or (lambda m, _: encoder_latents(m)))(trainer.model, args)
+    command = " ".join([sys.executable.split("/")[-1], "-m", module, *sys.argv[1:]])
     t0 = time.time()
     trainer.start()
     log(f"pool ready ({args.pool} examples) in {time.time() - t0:.0f} s; step {trainer.step_n}")

@@ -89,6 +89,16 @@ def test_fsq_has_gradient_and_reaches_every_level():
         assert set(d[:, i].tolist()) == set(range(L))
 
 
+def test_fsq_snap_maps_predictions_to_the_nearest_grid_point():
+    q = FSQ((8, 5, 5, 5), groups=3)
+    zq, codes = q(torch.randn(200, 12) * 3)
+    assert torch.equal(q.snap(zq), zq)  # grid points stay
+    assert torch.equal(q.codes(q.snap(zq + 0.04 * torch.randn_like(zq).clamp(-1, 1))), codes)
+    far = q.snap(torch.full((1, 12), 5.0))  # out of range: the top level of each dimension
+    assert torch.equal(q.codes(far), torch.full((1, 3), 999))
+    assert torch.equal(q.codes(q.snap(torch.full((1, 12), -5.0))), torch.zeros(1, 3, dtype=torch.long))
+
+
 # -- streaming decode -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 40])
 def test_streaming_decode_equals_offline(chunk):
