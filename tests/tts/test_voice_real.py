@@ -82,6 +82,24 @@ def test_eval_tts_scores_the_own_voice_beside_hibari(tmp_path: Path, capsys) -> 
 
 
 @pytest.mark.integration
+def test_eval_tts_scores_a_candidate_codec_on_chosen_parts(tmp_path: Path, capsys) -> None:
+    """A candidate codec (here a copy of the shipped one) replaces the profile's; only the chosen parts run."""
+    import shutil
+
+    codec = tmp_path / "candidate.safetensors"
+    shutil.copyfile(Path(__file__).resolve().parents[2] / "codec/weights/speech_codec.safetensors", codec)
+    argv = ["eval", "tts", "-n", "1", "--steps", "2", "--timing-repeats", "0", "--long-minutes", "0"]
+    rc = duplex_main(
+        [*argv, "--codec", str(codec), "--parts", "codec", "flow", "--out", str(tmp_path), "--no-progress"]
+    )
+    assert rc == 0
+    res = json.loads((tmp_path / "tts.json").read_text())
+    assert set(res["wer"]) == {"codec", "flow_2"} and res["timing_one_thread"] == {}
+    assert res["weights"]["codec"] == str(codec) and res["gap_to_hibari"] == {}
+    assert "own voice WER (2 steps" in capsys.readouterr().out
+
+
+@pytest.mark.integration
 async def test_a_spoken_question_is_answered_in_the_own_voice(live) -> None:
     """The live service's models with the flow voice in place of hibari: the answer is heard as its text."""
     from websockets.asyncio.client import connect
