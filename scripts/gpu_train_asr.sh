@@ -28,10 +28,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
-elif [ -x /opt/torch/.venv/bin/python3 ]; then PY=/opt/torch/.venv/bin/python3
-elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
-else PY=python3; fi
+source scripts/python.sh
 OUT="${OUT:-gpu-out}"
 RUN="${RUN:-runs/gpu-asr}"
 INIT="${INIT:-asr/weights/fc_small.nemo}"

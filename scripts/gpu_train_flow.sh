@@ -1,32 +1,35 @@
 #!/usr/bin/env bash
 # Train the flow voice (tts/) on a GPU for a fixed number of minutes, starting from the shipped weights
-# (tts/weights) or resuming $RUN, and write the fp16 export to $OUT/tts-weights. docs/tts.md, "GPU path".
+# (tts/weights) or resuming $RUN, and write the fp16 export to $OUT/tts-weights; then, with
+# --decoder-minutes N, tune the codec's decoder on that flow's latents (tts.training.tune_decoder, the
+# encoder frozen) and write $OUT/codec-weights. docs/tts.md, "GPU path".
 #
-#   scripts/gpu_train_flow.sh --minutes 8      # on the GPU machine
-#   scripts/gpu_train_flow.sh --dry-run        # anywhere, ~30 s: a few steps on a tiny pool, gate, export
+#   scripts/gpu_train_flow.sh --minutes 6 --decoder-minutes 2   # on the GPU machine
+#   scripts/gpu_train_flow.sh --dry-run        # anywhere, ~1 min: a few steps of each on a tiny pool, export
 #
 # Environment: PYTHON (default: /opt/torch/.venv/bin/python3 if present, else .venv/bin/python, else
-# python3), OUT (default gpu-out), RUN (default runs/gpu-flow), INIT (default tts/weights).
+# python3), OUT (default gpu-out), RUN (default runs/gpu-flow), DEC_RUN (default runs/gpu-decoder),
+# INIT (default tts/weights).
 # The teacher (hibari) runs on the CPU: with many cores, a larger --pool and --refresh keep the GPU fed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 MINUTES=8
+DEC_MINUTES=0
 MODE=train
 while [ $# -gt 0 ]; do
   case "$1" in
     --minutes) MINUTES="$2"; shift 2 ;;
+    --decoder-minutes) DEC_MINUTES="$2"; shift 2 ;;
     --dry-run) MODE=dry; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
 
-if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
-elif [ -x /opt/torch/.venv/bin/python3 ]; then PY=/opt/torch/.venv/bin/python3
-elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
-else PY=python3; fi
+source scripts/python.sh
 OUT="${OUT:-gpu-out}"
 RUN="${RUN:-runs/gpu-flow}"
+DEC_RUN="${DEC_RUN:-runs/gpu-decoder}"
 INIT="${INIT:-tts/weights}"
 CODEC=codec/weights/speech_codec.safetensors
 
@@ -38,11 +41,15 @@ if [ "$MODE" = dry ]; then
   TMP="$(mktemp -d)"
   trap 'rm -rf "$TMP"' EXIT
   RUN="$TMP/flow"
+  DEC_RUN="$TMP/decoder"
   ARGS=(--run "$RUN" --device "$DEVICE" --codec "$CODEC" --minutes 0.05 --pool 8 --batch 2 --norm-examples 4
         --gate-n 1 --gate-minutes 999 --threads 1)
+  DEC_MINUTES=0.05
+  DEC_ARGS=(--pool 4 --batch 2 --gate-minutes 999 --threads 1)
 else
   CPUS="$(nproc)"
   ARGS+=(--minutes "$MINUTES" --threads 4 --batch 64 --pool 4000 --refresh 4 --gate-minutes 5 --ckpt-minutes 4)
+  DEC_ARGS=(--threads 4 --batch 64 --pool 4000 --refresh 4 --gate-minutes 5 --ckpt-minutes 4)
   echo "training on $DEVICE for $MINUTES min ($CPUS CPUs, $PY)"
 fi
 [ -e "$RUN/checkpoint.pt" ] || [ ! -f "$INIT/flow_model.json" ] || ARGS+=(--init "$INIT")
@@ -51,3 +58,12 @@ mkdir -p "$OUT"
 "$PY" -m tts.training.train_flow --run "$RUN" --export "$OUT/tts-weights" --codec-file "$CODEC"
 cp "$RUN/metrics.jsonl" "$RUN/curves.png" "$OUT/tts-weights/" 2>/dev/null || true
 echo "wrote $OUT/tts-weights (fp16 flow_model.safetensors + flow_model.json) and $OUT/train-flow.log"
+if [ "$DEC_MINUTES" != 0 ]; then
+  # the decoder learns to read the flow just trained; the encoder (the flow's target) stays bit for bit
+  DEC_ARGS+=(--run "$DEC_RUN" --device "$DEVICE" --minutes "$DEC_MINUTES" --flow "$OUT/tts-weights"
+             --flow-share 0.5 --lr 5e-4 --lr-halflife 6000)
+  [ -e "$DEC_RUN/checkpoint.pt" ] || DEC_ARGS+=(--init "$CODEC")
+  "$PY" -m tts.training.tune_decoder "${DEC_ARGS[@]}" 2>&1 | tee "$OUT/tune-decoder.log"
+  "$PY" -m tts.training.tune_decoder --run "$DEC_RUN" --export "$OUT/codec-weights"
+  echo "wrote $OUT/codec-weights (copy it over codec/weights: the flow's codec_latent_sha256 still matches)"
+fi

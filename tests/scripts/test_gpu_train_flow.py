@@ -1,4 +1,5 @@
-"""scripts/gpu_train_flow.sh --dry-run: starts from the shipped flow weights, trains a few steps, exports."""
+"""scripts/gpu_train_flow.sh --dry-run: starts from the shipped flow weights, trains a few steps, exports;
+then tunes the codec's decoder on that flow and exports a codec with the shipped one's latent."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def test_gpu_train_flow_dry_run_continues_the_shipped_weights(tmp_path: Path) ->
     assert out["step"] > shipped["step"] and out["config"] == shipped["config"]
     assert out["codec_sha256"] == shipped["codec_sha256"]  # decodes with the shipped codec
     assert (tmp_path / "tts-weights" / "flow_model.safetensors").stat().st_size > 1_000_000
+    from codec.speech_codec import latent_sha256
+
+    tuned = tmp_path / "codec-weights" / "speech_codec.safetensors"
+    assert latent_sha256(str(tuned)) == shipped["codec_latent_sha256"]  # the flow still fits the tuned codec
+    assert "tts.training.tune_decoder" in json.loads(tuned.with_suffix(".json").read_text())["train_command"]
 
 
 def test_gpu_train_flow_rejects_unknown_options() -> None:
