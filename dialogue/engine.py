@@ -61,6 +61,13 @@ class SlowOptions(LlmOptions):
     #: with its own scale: their tokens then equal one-by-one decoding's, at a cost in throughput;
     #: off, a batch shares one scale and a near-tie may decode differently than alone
     per_session_quant: bool = False
+    #: appended to `system_prompt` for the slow model only: the drafter, the turn-taking heads and the
+    #: verifier keep the prompt they were trained with (their hidden states depend on it)
+    slow_instructions: str = ""
+
+    @property
+    def slow_system_prompt(self) -> str:
+        return " ".join(p for p in (self.system_prompt.strip(), self.slow_instructions.strip()) if p)
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], what: str = "llm") -> SlowOptions:
@@ -201,7 +208,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         self.slow: Conversations | None = None
         self.slow_tokenizer = slow_tokenizer
         if slow_model is not None:
-            r = ChatRenderer(slow_tokenizer, self.system_prompt)
+            r = ChatRenderer(slow_tokenizer, slow_options.slow_system_prompt)
             lm = CachedLM(
                 slow_model,
                 sink_tokens=len(r.system_ids),

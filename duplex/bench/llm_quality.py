@@ -114,14 +114,16 @@ def eval_facts(stage: Any, limit: int, progress: bool) -> dict[str, Any]:
     return {"n": len(rows), "correct": n_ok, "accuracy": n_ok / max(1, len(rows)), "rows": rows}
 
 
-def eval_memory(stage: Any, progress: bool) -> dict[str, Any]:
+def eval_memory(stage: Any, progress: bool, cases: Sequence[Any] | None = None) -> dict[str, Any]:
+    """Two-turn "remember what I said" cases (default `MEMORY_CASES`; `MEMORY_HELDOUT` checks a prompt
+    chosen on them), graded by `memory_verdict`."""
     from tqdm.auto import tqdm
 
     from duplex.bench.common import MEMORY_CASES
     from duplex.bench.conversation import memory_verdict
 
     rows = []
-    for case in tqdm(MEMORY_CASES, desc="memory", disable=not progress):
+    for case in tqdm(MEMORY_CASES if cases is None else cases, desc="memory", disable=not progress):
         told = answer(stage, [], case.statement)
         history = [
             {"role": "user", "content": case.statement},
@@ -229,7 +231,10 @@ def run_profile(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if args.facts >= 0:
         res["facts"] = eval_facts(stage, args.facts, progress)
     if args.memory:
+        from duplex.eval.answers import MEMORY_HELDOUT
+
         res["memory"] = eval_memory(stage, progress)
+        res["memory_heldout"] = eval_memory(stage, progress, MEMORY_HELDOUT)
     res["speed"] = [eval_speed(stage, t, args.repeats) for t in args.threads]
     res["rss_end_gib"] = _proc_status()
     res["load_after"] = _load()
@@ -255,6 +260,12 @@ def summary_table(results: Sequence[dict[str, Any]]) -> str:
         lambda r: f"{r['facts']['correct']}/{r['facts']['n']} ({100 * r['facts']['accuracy']:.1f} %)",
     )
     row("memory cases correct", lambda r: f"{r['memory']['correct']}/{r['memory']['n']}")
+    row(
+        "held-out memory cases correct",
+        lambda r: (
+            f"{r['memory_heldout']['correct']}/{r['memory_heldout']['n']}" if "memory_heldout" in r else "-"
+        ),
+    )
     threads = sorted({s["threads"] for r in results for s in r.get("speed", [])})
     for t in threads:
 

@@ -55,6 +55,39 @@ MEMORY_CASES: tuple[MemoryCase, ...] = (
     MemoryCase("My car is red.", "What colour is my car?", (("red",),), r"\bmy car\b"),
 )
 
+#: other cases of the same kind, never used to choose a prompt: what a prompt change is checked on
+MEMORY_HELDOUT: tuple[MemoryCase, ...] = (
+    MemoryCase("My brother is called Tom.", "What is my brother called?", (("tom",),), r"\bmy brother\b"),
+    MemoryCase("I live in Madrid.", "Where do I live?", (("madrid",),), r"\bi live\b|\bmy home\b"),
+    MemoryCase("My cat is called Luna.", "What is my cat called?", (("luna",),), r"\bmy cat\b"),
+    MemoryCase(
+        "I am a teacher.", "What do I do for work?", (("teacher",),), r"\bi(?: am|'m) a teacher\b|\bmy job\b"
+    ),
+    MemoryCase(
+        "My favourite fruit is mango.",
+        "What is my favourite fruit?",
+        (("mango",),),
+        r"\bmy favou?rite fruit\b",
+    ),
+    MemoryCase(
+        "I have three children.", "How many children do I have?", (("three", "3"),), r"\bi have (?:three|3)\b"
+    ),
+    MemoryCase("My birthday is in July.", "When is my birthday?", (("july",),), r"\bmy birthday\b"),
+    MemoryCase(
+        "My name is Peter.",
+        "Do you remember my name?",
+        (("peter",),),
+        r"\bmy name is\b|\bi(?: am|'m) peter\b",
+    ),
+    MemoryCase("I drive a blue van.", "What colour is my van?", (("blue",),), r"\bmy van\b|\bi drive\b"),
+    MemoryCase(
+        "My daughter plays the violin.",
+        "Which instrument does my daughter play?",
+        (("violin",),),
+        r"\bmy daughter\b",
+    ),
+)
+
 FACTS_PATH = DATA_ROOT / "dialogue" / "facts_eval.jsonl"
 
 

@@ -506,3 +506,18 @@ def test_exact_relay_speaks_the_slow_models_own_answer_sooner(tokenizer, same, p
     if same:  # the drafter is the slow model: its draft is kept (up to where the tiny model's byte
         # soup stops surviving a decode and re-encode)
         assert info.committed and info.p_accept > 0 and info.prefix
+
+
+def test_slow_instructions_reach_the_slow_model_only(tokenizer):
+    """`slow_instructions` extend the slow model's system prompt; the drafter (whose hidden states the
+    turn heads and the verifier were trained on) keeps the shared prompt."""
+    slow, drafter = tiny("qwen2", len(tokenizer), 4), tiny("llama", len(tokenizer), 5)
+    extra = "Use your for the caller's things."
+    opts = SlowOptions(system_prompt=SYSTEM, max_new_tokens=12, slow_instructions=extra)
+    assert opts.slow_system_prompt == f"{SYSTEM} {extra}"
+    stage = DialogueStage(slow, tokenizer, opts, drafter, tokenizer, DrafterOptions(), _Heads(), None, None)
+    assert stage.slow.renderer.system_ids == ChatRenderer(tokenizer, f"{SYSTEM} {extra}").system_ids
+    assert stage.drafter.renderer.system_ids == ChatRenderer(tokenizer, SYSTEM).system_ids
+    assert SlowOptions.from_mapping({"system_prompt": SYSTEM, "slow_instructions": extra}) == opts.__class__(
+        system_prompt=SYSTEM, slow_instructions=extra
+    )

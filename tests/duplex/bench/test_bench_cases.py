@@ -79,6 +79,20 @@ def test_memory_verdict() -> None:
     assert not memory_verdict("Your name is Annabel.", NAME)[0]  # whole words
 
 
+def test_held_out_memory_cases_are_other_cases_graded_alike() -> None:
+    from duplex.eval.answers import MEMORY_CASES, MEMORY_HELDOUT
+
+    assert not {c.statement for c in MEMORY_HELDOUT} & {c.statement for c in MEMORY_CASES}
+    for case, right, own in [
+        (MEMORY_HELDOUT[0], "Your brother is called Tom.", "My brother is called Tom."),
+        (MEMORY_HELDOUT[1], "You live in Madrid.", "I live in Madrid."),
+        (MEMORY_HELDOUT[5], "You have 3 children.", "I have three children."),
+        (MEMORY_HELDOUT[7], "Yes, your name is Peter.", "Yes, my name is Peter."),
+    ]:
+        assert memory_verdict(right, case) == (True, "")
+        assert "role confusion" in memory_verdict(own, case)[1]
+
+
 def test_draft_wrong_keyword() -> None:
     facts = [
         Fact("How many legs does a spider have?", (("eight", "8"),)),
