@@ -222,6 +222,14 @@ def rng_state(rng: np.random.Generator) -> dict:
     return {"numpy": rng.bit_generator.state, "torch": torch.get_rng_state()}
 
 
+def guarded(what: str, fn: Callable[[], None], log: Callable[[str], None]) -> None:
+    """Run an evaluation inside a training loop: a failure is logged, and training goes on."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - an evaluation must never end a run
+        log(f"{what} failed ({type(exc).__name__}: {exc}); training goes on")
+
+
 def save_checkpoint(path: Path, **state) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -561,6 +569,15 @@ def main(
         plot_curves(run)
         log(f"checkpoint at step {trainer.step_n}")
 
+    def run_gate() -> None:
+        g = gate(trainer.ema, source.teacher, scorer, gate_sents)
+        metrics.write(json.dumps({"kind": "gate", "step": trainer.step_n, "time": time.time()} | g) + "\n")
+        metrics.flush()
+        log(
+            f"gate step {trainer.step_n}: WER hibari {100 * g['wer_hibari']:.1f} % codec "
+            f"{100 * g['wer_codec']:.1f} % (n={g['n']}), codes used {g['codes_used']}"
+        )
+
     start, last_ck, last_gate = time.time(), time.time(), time.time()
     acc: dict[str, float] = {}
     n_acc = 0
@@ -582,15 +599,7 @@ def main(
             )
             acc, n_acc = {}, 0
         if time.time() - last_gate > args.gate_minutes * 60:
-            g = gate(trainer.ema, source.teacher, scorer, gate_sents)
-            metrics.write(
-                json.dumps({"kind": "gate", "step": trainer.step_n, "time": time.time()} | g) + "\n"
-            )
-            metrics.flush()
-            log(
-                f"gate step {trainer.step_n}: WER hibari {100 * g['wer_hibari']:.1f} % codec "
-                f"{100 * g['wer_codec']:.1f} % (n={g['n']}), codes used {g['codes_used']}"
-            )
+            guarded("gate", run_gate, log)
             last_gate = time.time()
         if time.time() - last_ck > args.ckpt_minutes * 60:
             checkpoint()

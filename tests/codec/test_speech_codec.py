@@ -302,3 +302,15 @@ def test_frozen_encoder_keeps_the_latent_and_its_fingerprint(tmp_path):
 
     t.step()  # the encoder trained on: another latent
     assert latent_sha256(str(_export(t, tmp_path / "c"))) != latent_sha256(str(before))
+
+
+def test_a_failing_evaluation_is_logged_and_training_goes_on():
+    from codec.training.train_codec import guarded
+
+    lines: list[str] = []
+
+    def broken() -> None:
+        raise AttributeError("'FSQ' object has no attribute 'snap'")
+
+    guarded("gate", broken, lines.append)  # does not raise
+    assert lines == ["gate failed (AttributeError: 'FSQ' object has no attribute 'snap'); training goes on"]

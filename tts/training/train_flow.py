@@ -37,7 +37,7 @@ import torch
 
 from codec.speech_codec import SpeechCodec, latent_sha256
 from codec.training.eval_codec import load_codec_any
-from codec.training.train_codec import save_checkpoint
+from codec.training.train_codec import guarded, save_checkpoint
 from tts.flow_model import FlowConfig, FlowModel, chunk_mask
 
 CKPT = "checkpoint.pt"
@@ -600,8 +600,10 @@ def main(argv: list[str] | None = None) -> None:
         log(f"checkpoint at step {trainer.step_n}")
 
     def run_gate() -> None:
-        g = gate(trainer.ema.cpu(), codec, source.teacher, scorer, gate_sents)
-        trainer.ema.to(args.device)
+        try:
+            g = gate(trainer.ema.cpu(), codec, source.teacher, scorer, gate_sents)
+        finally:
+            trainer.ema.to(args.device)
         metrics.write(json.dumps({"kind": "gate", "step": trainer.step_n, "time": time.time()} | g) + "\n")
         metrics.flush()
         log(
@@ -632,14 +634,14 @@ def main(argv: list[str] | None = None) -> None:
             )
             acc, n_acc = {}, 0
         if time.time() - last_gate > args.gate_minutes * 60:
-            run_gate()
+            guarded("gate", run_gate, log)
             last_gate = time.time()
         if time.time() - last_ck > args.ckpt_minutes * 60:
             checkpoint()
             last_ck = time.time()
     checkpoint()
     if not stop["flag"]:
-        run_gate()
+        guarded("gate", run_gate, log)
         plot_curves(run)
     log(f"stopped at step {trainer.step_n} ({'signal' if stop['flag'] else 'time limit'})")
 
