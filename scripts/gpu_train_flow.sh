@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Train the flow voice (tts/) on a GPU for a fixed number of minutes, starting from the shipped weights
 # (tts/weights) or resuming $RUN, and write the fp16 export to $OUT/tts-weights; then, with
-# --decoder-minutes N, tune the codec's decoder on that flow's latents (tts.training.tune_decoder, the
-# encoder frozen) and write $OUT/codec-weights. docs/tts.md, "GPU path".
+# --decoder-minutes N, train the codec's decoder further with its encoder frozen (tts.training.tune_decoder;
+# DEC_FLOW_SHARE > 0 also feeds it that flow's latents, which hurt on the CPU A/B) and write
+# $OUT/codec-weights. docs/tts.md, "GPU path".
 #
 #   scripts/gpu_train_flow.sh --minutes 6 --decoder-minutes 2   # on the GPU machine
 #   scripts/gpu_train_flow.sh --dry-run        # anywhere, ~1 min: a few steps of each on a tiny pool, export
 #
 # Environment: PYTHON (default: /opt/torch/.venv/bin/python3 if present, else .venv/bin/python, else
 # python3), OUT (default gpu-out), RUN (default runs/gpu-flow), DEC_RUN (default runs/gpu-decoder),
-# INIT (default tts/weights).
+# DEC_FLOW_SHARE (default 0), INIT (default tts/weights).
 # The teacher (hibari) runs on the CPU: with many cores, a larger --pool and --refresh keep the GPU fed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,9 +60,9 @@ mkdir -p "$OUT"
 cp "$RUN/metrics.jsonl" "$RUN/curves.png" "$OUT/tts-weights/" 2>/dev/null || true
 echo "wrote $OUT/tts-weights (fp16 flow_model.safetensors + flow_model.json) and $OUT/train-flow.log"
 if [ "$DEC_MINUTES" != 0 ]; then
-  # the decoder learns to read the flow just trained; the encoder (the flow's target) stays bit for bit
+  # the encoder (the flow's target) stays bit for bit; the flow's export is checked against its latent
   DEC_ARGS+=(--run "$DEC_RUN" --device "$DEVICE" --minutes "$DEC_MINUTES" --flow "$OUT/tts-weights"
-             --flow-share 0.5 --lr 5e-4 --lr-halflife 6000)
+             --flow-share "${DEC_FLOW_SHARE:-0}" --lr 5e-4 --lr-halflife 6000)
   [ -e "$DEC_RUN/checkpoint.pt" ] || DEC_ARGS+=(--init "$CODEC")
   "$PY" -m tts.training.tune_decoder "${DEC_ARGS[@]}" 2>&1 | tee "$OUT/tune-decoder.log"
   "$PY" -m tts.training.tune_decoder --run "$DEC_RUN" --export "$OUT/codec-weights"
