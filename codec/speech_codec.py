@@ -332,6 +332,17 @@ def latent_fingerprint(config_json: str, tensors: dict[str, torch.Tensor]) -> st
     return h.hexdigest()
 
 
+def fits_codec(path: str, sha256: str, latent: str | None) -> bool:
+    """Whether the codec file at `path` is the one with `sha256`, or (when `latent` is known) one whose
+    encoder has that `latent_fingerprint`: what was made with the first decodes with the second."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        if hashlib.sha256(f.read()).hexdigest() == sha256:
+            return True
+    return latent is not None and latent_sha256(path) == latent
+
+
 def latent_sha256(path: str) -> str:
     """`latent_fingerprint` of a codec file written by the training recipe (config in its metadata)."""
     from safetensors import safe_open

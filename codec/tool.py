@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from codec.resample import SUPPORTED_RATES, resample
-from codec.speech_codec import SR, SpeechCodec, latent_sha256, load_codec
+from codec.speech_codec import SR, SpeechCodec, fits_codec, latent_sha256, load_codec
 
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "weights" / "speech_codec.safetensors"
 
@@ -141,8 +141,7 @@ def load_codes(path: Path, model: SpeechCodec, weights: Path) -> tuple[np.ndarra
         raise CodecToolError(
             f"{path} was encoded with levels {levels} x {groups} groups; this codec has others"
         )
-    same_encoder = latent is not None and latent == latent_sha256(str(weights))  # decoder trained further
-    if sha != hashlib.sha256(weights.read_bytes()).hexdigest() and not same_encoder:
+    if not fits_codec(str(weights), sha, latent):
         raise CodecToolError(
             f"{path} was encoded with codec {sha[:12]}, not {weights}: decode with that codec"
         )

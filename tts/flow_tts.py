@@ -419,24 +419,19 @@ def check_codec(meta: dict, codec_path: Path) -> None:
     The file's sha256 must match `codec_sha256`; failing that, the fingerprint of its encoder
     (`codec_latent_sha256`), so a codec whose decoder alone was trained further still fits.
     """
-    want = meta.get("codec_sha256")
-    if not want:
-        return
-    import hashlib
+    from codec.speech_codec import fits_codec
 
-    got = hashlib.sha256(codec_path.read_bytes()).hexdigest()
-    if got == want:
+    want, want_latent = meta.get("codec_sha256"), meta.get("codec_latent_sha256")
+    if not want or fits_codec(str(codec_path), want, want_latent):
         return
-    want_latent = meta.get("codec_latent_sha256")
     if want_latent:
-        from codec.speech_codec import latent_sha256
-
-        if latent_sha256(str(codec_path)) == want_latent:
-            return
         raise ModelError(
             f"the flow model predicts the latent of codec encoder {want_latent[:12]}, but {codec_path} has another "
             f"encoder: retrain it on this codec ({TRAIN_HINT})"
         )
+    import hashlib
+
+    got = hashlib.sha256(codec_path.read_bytes()).hexdigest()
     raise ModelError(
         f"the flow model was trained on codec {want[:12]} but {codec_path} is {got[:12]}: retrain it "
         f"on this codec ({TRAIN_HINT})"

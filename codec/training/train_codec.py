@@ -277,9 +277,8 @@ class Trainer:
         self.model = SpeechCodec(cfg)
         self.ema = copy.deepcopy(self.model)
         self.freeze_encoder = freeze_encoder
-        if (
-            freeze_encoder
-        ):  # the latent (what the flow model predicts) stays bit for bit; only the decoder learns
+        # frozen: the latent (what the flow model predicts) stays bit for bit; only the decoder learns
+        if freeze_encoder:
             for name, p in self.model.named_parameters():
                 if is_encoder_param(name):
                     p.requires_grad_(False)
@@ -540,9 +539,8 @@ def main(
             trainer.pos = int(json.loads(meta_path.read_text()).get("examples_seen", 0))
         log(f"initialised from {args.init} (data position {trainer.pos}, encoder frozen: {freeze})")
     del saved
-    if (
-        freeze
-    ):  # the decoder reads latents made once per example (after the weights are in): no encoder in the step
+    # frozen: the decoder reads latents made once per example (after the weights are in), no encoder in the step
+    if freeze:
         trainer.pool.latents = (make_latents or (lambda m, _: encoder_latents(m)))(trainer.model, args)
     command = " ".join([sys.executable.split("/")[-1], "-m", module, *sys.argv[1:]])
     t0 = time.time()

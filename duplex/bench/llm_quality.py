@@ -262,9 +262,7 @@ def summary_table(results: Sequence[dict[str, Any]]) -> str:
     row("memory cases correct", lambda r: f"{r['memory']['correct']}/{r['memory']['n']}")
     row(
         "held-out memory cases correct",
-        lambda r: (
-            f"{r['memory_heldout']['correct']}/{r['memory_heldout']['n']}" if "memory_heldout" in r else "-"
-        ),
+        lambda r: f"{r['memory_heldout']['correct']}/{r['memory_heldout']['n']}",
     )
     threads = sorted({s["threads"] for r in results for s in r.get("speed", [])})
     for t in threads:
