@@ -27,7 +27,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -36,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from duplex.base.config import ConfigError
+from duplex.base.devices import check_device, require_device
 from duplex.base.errors import ModelError
 
 __all__ = [
@@ -445,45 +444,6 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in table:
         raise ModelError(f"unknown llm dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     return table[dtype]
-
-
-_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
-
-
-def check_device(device: str, dtype: str | torch.dtype, what: str = "llm") -> None:
-    """Validate a models.yaml `device` option ("cpu", "cuda", "cuda:N") against `dtype`; ConfigError if not.
-
-    Needs no GPU: whether CUDA is present is `require_device`'s question, asked at load."""
-    if not isinstance(device, str) or not _DEVICE_RE.fullmatch(device):
-        raise ConfigError(f"{what}: device {device!r} is not cpu, cuda or cuda:N")
-    if device.startswith("cuda") and dtype == "int8-dynamic":
-        # torch's dynamic int8 Linear (fbgemm/onednn) has CPU kernels only
-        raise ConfigError(
-            f"{what}: dtype int8-dynamic runs on the CPU only; with device {device} use dtype bfloat16 "
-            "(or float16 on a GPU without bfloat16)"
-        )
-
-
-def require_device(device: str, what: str = "llm") -> torch.device:
-    """The torch device of a validated `device` option; a clear ConfigError where CUDA is asked for
-    but absent (a CPU-only torch, no driver, or fewer GPUs), so a GPU profile never silently runs on CPU."""
-    import torch
-
-    if device.startswith("cuda"):
-        index = int(device.split(":", 1)[1]) if ":" in device else 0
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"{what}: the profile's option `device: {device}` needs CUDA, but torch.cuda.is_available() "
-                f"is False (torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}). "
-                f"Set `device: cpu` (and `dtype: int8-dynamic`) in the {what} options of models.yaml, "
-                "or run the CPU profile: --profile cpu"
-            )
-        if index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"{what}: the profile's option `device: {device}` names GPU {index}, but torch sees "
-                f"{torch.cuda.device_count()}; use cuda:0..cuda:{torch.cuda.device_count() - 1} or --profile cpu"
-            )
-    return torch.device(device)
 
 
 def load(

@@ -10,6 +10,7 @@ chunk has the same length.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from dataclasses import dataclass, field
@@ -198,6 +199,8 @@ class FlowTtsStage:
         max_phrase_words: int = 12,
         chunks_per_call: int = 0,
         temperature: float = 1.0,
+        device: str | torch.device = "cpu",
+        front_on_cpu: bool = True,
     ) -> None:
         if model.cfg.latent_dim != codec.cfg.latent_dim:
             raise ModelError(
@@ -205,7 +208,15 @@ class FlowTtsStage:
             )
         if not 0.5 <= speed <= 2.0:
             raise ConfigError("tts option 'speed' must be in [0.5, 2.0]")
-        self.model, self.codec, self.front = model.eval(), codec.eval(), front
+        #: where the flow's sampler and the codec run (the `gpu` profile: cuda). The front half (phoneme
+        #: encoder, durations, length regulator) stays on the CPU: per phrase it is a few dozen tiny ops with
+        #: host syncs, ~2 ms on one CPU core against ~5 ms of launches on a GPU (H200, docs/operations.md),
+        #: and it keeps the rounded durations identical to the CPU voice's. Only its output moves.
+        self.device = torch.device(device)
+        self.front_device = torch.device("cpu") if front_on_cpu else self.device
+        same = self.front_device == self.device
+        self.front_model = model.eval() if same else copy.deepcopy(model).eval()
+        self.model, self.codec, self.front = model.eval().to(self.device), codec.eval().to(self.device), front
         self.steps, self.seed, self.speed, self.snap = int(steps), int(seed), float(speed), bool(snap)
         if not 0.0 <= temperature <= 1.5:
             raise ConfigError("tts option 'temperature' must be in [0, 1.5]")
@@ -233,12 +244,13 @@ class FlowTtsStage:
         base = 0
         sub = self.model.cfg.subframes
         for si, (ids, p) in enumerate(zip(sents, pw, strict=True)):
-            h = self.model.encoder(torch.tensor([ids], dtype=torch.long))
-            units = self.model.predict_units(h, self.speed)
+            fm = self.front_model
+            h = fm.encoder(torch.tensor([ids], dtype=torch.long, device=self.front_device))
+            units = fm.predict_units(h, self.speed)
             units[0, 0] = LEAD_UNITS
             skip = max(0, int(LEAD_UNITS * UNIT_SUBFRAMES) // sub - LEAD_KEEP_FRAMES)
             units[0, -1] = PAUSE_UNITS[pause_kind(phrase) if si == len(sents) - 1 else "sentence"]
-            cond = self.model.regulate(h, units)
+            cond = fm.regulate(h, units)
             ends_sub = torch.cumsum(units[0] * UNIT_SUBFRAMES, 0).tolist()
             end: dict[int, int] = {}
             for pos, w in enumerate(p):
@@ -247,9 +259,8 @@ class FlowTtsStage:
                     end[tw] = max(end.get(tw, 0), -(-int(ends_sub[pos]) // sub))
             base += counts[si]
             mine = sorted(end)
-            out.append(
-                Utterance(cond.cond, cond.mu, [words[i] for i in mine], [end[i] for i in mine], mine, skip)
-            )
+            c_dev, mu_dev = cond.cond.to(self.device), cond.mu.to(self.device)
+            out.append(Utterance(c_dev, mu_dev, [words[i] for i in mine], [end[i] for i in mine], mine, skip))
         # every text word is spoken by exactly one utterance: one no phoneme maps to ("&", a stray symbol)
         # rides with the word before it (or opens the first utterance)
         mapped = {i for u in out for i in u.word_ids}
@@ -307,7 +318,11 @@ class FlowTtsStage:
                 for c in group:
                     if c.flow is None:
                         c.flow = self.model.init_state(
-                            1, self.steps, self.chunk, seed=c.seed + 7919 * (c.first_utterance + c.u)
+                            1,
+                            self.steps,
+                            self.chunk,
+                            seed=c.seed + 7919 * (c.first_utterance + c.u),
+                            device=self.device,
                         )
                 flow = FlowState.stack([c.flow for c in group])  # type: ignore[misc]
                 cond = torch.cat([c.utterances[c.u].cond[:, c.frame : c.frame + n] for c in group])
@@ -315,14 +330,15 @@ class FlowTtsStage:
                 y, flow = self.model.step(flow, cond, mu, temperature=self.temperature)
                 dec = DecoderState.stack([c.decoder for c in group])
                 audio, dec = self.codec.decode_latent_step(dec, self._latent(y))
-                for c, f, d, a in zip(group, flow.unbind(), dec.unbind(), audio.numpy(), strict=True):
+                samples = audio.float().cpu().numpy()  # one copy off the device per round
+                for c, f, d, a in zip(group, flow.unbind(), dec.unbind(), samples, strict=True):
                     c.flow, c.decoder = f, d
                     self._advance(c, a.astype(np.float32), n)
 
     def _prepare(self, state: FlowTtsState, chunk: TtsInput) -> tuple[_Cursor, PhraseState]:
         phrases, phrase_state = self.segmenter.step(state.phrases, chunk.text, chunk.final)
         utts = [*state.backlog, *(u for p in phrases for u in self.utterances(p))]
-        decoder = state.decoder if state.decoder is not None else self.codec.init_state(1)
+        decoder = state.decoder if state.decoder is not None else self.codec.init_state(1, self.device)
         cur = _Cursor(utts, decoder, self.seed, state.utterances, frame=state.frame, flow=state.flow)
         cur.done_words = state.done_words
         if self.chunks_per_call and not chunk.whole:
@@ -338,7 +354,7 @@ class FlowTtsStage:
         # a decoder that has decoded nothing is still the fresh one: keep None (the next call's first chunk)
         decoder: DecoderState | None = cur.decoder if (out or state.decoder is not None) else None
         if final and not owed and (state.decoder is not None or out):
-            tail = self.codec.flush(cur.decoder)[0].numpy().astype(np.float32)
+            tail = self.codec.flush(cur.decoder)[0].float().cpu().numpy()
             if out:
                 out[-1] = TtsChunk(np.concatenate([out[-1].audio, tail]), out[-1].text)
             else:
@@ -450,10 +466,14 @@ def load_flow_tts_stage(cfg: ComponentConfig) -> FlowTtsStage:
     if cfg.backend != "flow":
         raise ConfigError(f"component {cfg.name!r}: unknown TTS backend {cfg.backend!r} for the flow stage")
     from codec.speech_codec import load_codec
+    from duplex.base.devices import check_device, require_device
 
+    opts = cfg.options
+    device = str(opts.get("device", "cpu"))
+    check_device(device, what="tts")
+    target = require_device(device, what="tts")
     path, codec_path, _ = _flow_files(cfg)
     model, meta = load_flow_model(path)
-    opts = cfg.options
     stage = FlowTtsStage(
         model,
         load_codec(str(codec_path)),
@@ -467,6 +487,7 @@ def load_flow_tts_stage(cfg: ComponentConfig) -> FlowTtsStage:
         max_phrase_words=int(opts.get("max_phrase_words", 12)),
         chunks_per_call=int(opts.get("chunks_per_call", 0)),
         temperature=float(opts.get("temperature", 1.0)),
+        device=target,
     )
     stage.meta = meta
     return stage

@@ -64,7 +64,11 @@ def test_gpu_profile_runs_both_llms_on_cuda_in_bf16() -> None:
     cpu = load_profile("cpu")  # the anchors the gpu block merges leave the cpu profile as it was
     assert SlowOptions.from_mapping(cpu.component("llm").options).device == "cpu"
     assert DrafterOptions.from_mapping(cpu.component("drafter").options).dtype == "int8-dynamic"
-    assert gpu.component("tts").backend == cpu.component("tts").backend
+    # the voice: the project's flow voice on CUDA (hibari has no CUDA path); cpu keeps hibari
+    tts = gpu.component("tts")
+    assert (tts.backend, tts.options["device"]) == ("flow", "cuda") and cpu.component(
+        "tts"
+    ).backend == "hibari"
 
 
 # -- no CUDA: fail clearly ------------------------------------------------------------------------
@@ -81,6 +85,13 @@ def test_gpu_profile_without_cuda_fails_at_load(no_cuda: None) -> None:
     gpu = load_profile("gpu")
     with pytest.raises(ConfigError, match=r"llm: the profile's option `device: cuda`.*--profile cpu"):
         load_dialogue_stage(gpu.component("llm"), gpu.component("drafter"), progress=False)
+
+
+def test_gpu_profile_voice_without_cuda_fails_at_load(no_cuda: None) -> None:
+    from tts.flow_tts import load_flow_tts_stage
+
+    with pytest.raises(ConfigError, match=r"tts: the profile's option `device: cuda`.*--profile cpu"):
+        load_flow_tts_stage(load_profile("gpu").component("tts"))
 
 
 def test_drafter_on_cuda_without_cuda_fails_before_loading(no_cuda: None) -> None:

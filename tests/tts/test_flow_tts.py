@@ -311,3 +311,29 @@ def test_loader_reads_exported_weights_and_checks_the_codec(tmp_path) -> None:
     write_codec("enc_")
     with pytest.raises(ModelError, match="another encoder"):
         load_flow_tts_stage(cfg)
+
+
+def test_device_option_is_checked_before_loading(tmp_path) -> None:
+    """A bad `device` is a ConfigError naming it; `cuda` without CUDA says how to fall back (no GPU needed)."""
+    from duplex.base.config import ConfigError
+
+    cfg = ComponentConfig(
+        name="tts", backend="flow", weights={"path": str(tmp_path)}, options={"device": "gpu"}
+    )
+    with pytest.raises(ConfigError, match="not cpu, cuda or cuda:N"):
+        load_flow_tts_stage(cfg)
+    if not torch.cuda.is_available():
+        cfg = ComponentConfig(
+            name="tts", backend="flow", weights={"path": str(tmp_path)}, options={"device": "cuda"}
+        )
+        with pytest.raises(ConfigError, match="device: cpu"):
+            load_flow_tts_stage(cfg)
+
+
+def test_stage_on_an_explicit_device_equals_the_default() -> None:
+    """device="cpu" given explicitly moves nothing and changes no sample (the path CUDA takes, on the CPU)."""
+    a = run(make_stage(), ["Sure, the capital of France is Paris."])
+    b = run(make_stage(device=torch.device("cpu")), ["Sure, the capital of France is Paris."])
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.text == y.text and np.array_equal(x.audio, y.audio)
