@@ -36,13 +36,14 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from dialogue.fast_decoder import FastDecoder, shares_activation_scale
+from dialogue.kv_pool import KvPool, PooledCache
 
 
 @dataclass
 class LmCache:
     """One session's cache. Invariant: `cache` holds exactly the keys/values of `ids`, in order."""
 
-    cache: DynamicCache
+    cache: DynamicCache | PooledCache
     #: token ids now in the cache (sinks, then the window); len(ids) == cache.get_seq_length()
     ids: list[int]
     #: tokens evicted so far; ids[sink_tokens] sat at absolute position sink_tokens + evicted
@@ -98,6 +99,7 @@ class CachedLM:
         window_tokens: int = 2048,
         evict_chunk: int = 64,
         fast: bool = True,
+        kv_pool_slots: int | None = None,
     ) -> None:
         if sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
@@ -118,11 +120,35 @@ class CachedLM:
             raise ValueError(f"CachedLM needs full-attention cache layers only, the model config gives {odd}")
         # the lean forward (dialogue.fast_decoder) where the architecture allows it: same numbers, ~1.5x faster
         self.fast = FastDecoder.for_model(model) if fast else None
+        # sessions' caches in one preallocated store (dialogue.kv_pool): on a GPU a batched step is then one
+        # write and one attention per layer instead of ~3 launches per session per layer. None: 64 slots on
+        # CUDA, none on the CPU (where per-session attention over DynamicCaches is as fast); needs the lean
+        # decoder. Sessions past the slots get DynamicCaches.
+        #: the lean decoder's attention for batched decode steps outside the pool (FastDecoder.decode_attention
+        #: when None; "padded" is the A/B in duplex.bench.gpu_capacity)
+        self.decode_attention: str | None = None
+        if kv_pool_slots is None:
+            kv_pool_slots = 64 if self._device().type == "cuda" else 0
+        self.pool: KvPool | None = None
+        if kv_pool_slots > 0 and self.fast is not None:
+            emb = self.model.model.embed_tokens.weight
+            self.pool = KvPool(
+                kv_pool_slots,
+                len(self.fast.layers),
+                self.fast.n_kv,
+                self.capacity,
+                self.fast.head_dim,
+                emb.dtype,
+                emb.device,
+            )
 
     # -- sessions ---------------------------------------------------------------------------
 
     def new(self) -> LmCache:
-        """An empty cache."""
+        """An empty cache (a pool slot where there is a pool with one free)."""
+        pooled = self.pool.new_cache() if self.pool is not None else None
+        if pooled is not None:
+            return LmCache(cache=pooled, ids=[])
         return LmCache(cache=DynamicCache(config=self.model.config), ids=[])
 
     def fork(self, c: LmCache) -> LmCache:
@@ -132,6 +158,8 @@ class CachedLM:
 
     def nbytes(self, c: LmCache) -> int:
         """Bytes held by the cache's key and value tensors (the per-session memory that the window bounds)."""
+        if isinstance(c.cache, PooledCache):
+            return c.cache.nbytes()  # the slot's reservation
         total = 0
         for layer in c.cache.layers:
             for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
@@ -312,6 +340,7 @@ class CachedLM:
             pieces,
             [len(c.ids) for c in caches],
             per_session_quant=per_session_quant,
+            decode_attention=self.decode_attention,
         )
         last = torch.cat([h[:, -1] for h in hidden])  # [B, hidden]
         head = self.model.lm_head
@@ -335,6 +364,12 @@ class CachedLM:
         if k <= 0:
             return
         s = min(self.sink_tokens, len(c.ids))
+        if isinstance(c.cache, PooledCache):
+            cs, sn = self._rope_shift(k, self._device())
+            c.cache.evict(s, k, lambda keys: self._rotate(keys, cs, sn))
+            del c.ids[s : s + k]
+            c.evicted += k
+            return
         cos = sin = None
         for layer in c.cache.layers:
             keys, values = layer.keys, layer.values

@@ -94,6 +94,24 @@ def test_greedy_decode_at_different_positions(model: PreTrainedModel) -> None:
     assert len({len(c.ids) for c in bat}) == 4  # stayed ragged throughout
 
 
+@pytest.mark.parametrize("how", ["per_session", "padded"])
+def test_both_decode_attentions_equal_one_by_one(model: PreTrainedModel, how: str) -> None:
+    """The GPU's padded decode attention (one masked launch a layer) and the CPU's per-session one agree
+    with feeding one by one, on ragged caches; forced here on the CPU, so no GPU is needed."""
+    from dialogue.fast_decoder import FastDecoder
+
+    lm = CachedLM(model)
+    assert lm.fast is not None
+    rng = random.Random(3)
+    ref, bat = twins(lm, [rand_ids(rng, n) for n in (5, 23, 2)])
+    try:
+        lm.fast.decode_attention = how
+        greedy_both(lm, ref, bat, 8)
+    finally:
+        lm.fast.decode_attention = FastDecoder.decode_attention
+    assert len({len(c.ids) for c in bat}) == 3
+
+
 def test_greedy_decode_at_equal_positions(model: PreTrainedModel) -> None:
     lm = CachedLM(model)
     rng = random.Random(2)
