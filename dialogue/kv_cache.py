@@ -120,13 +120,13 @@ class CachedLM:
             raise ValueError(f"CachedLM needs full-attention cache layers only, the model config gives {odd}")
         # the lean forward (dialogue.fast_decoder) where the architecture allows it: same numbers, ~1.5x faster
         self.fast = FastDecoder.for_model(model) if fast else None
+        #: the lean decoder's attention for batched decode steps outside the pool (FastDecoder.decode_attention
+        #: when None; "padded" is the A/B in duplex.bench.gpu_capacity)
+        self.decode_attention: str | None = None
         # sessions' caches in one preallocated store (dialogue.kv_pool): on a GPU a batched step is then one
         # write and one attention per layer instead of ~3 launches per session per layer. None: 64 slots on
         # CUDA, none on the CPU (where per-session attention over DynamicCaches is as fast); needs the lean
         # decoder. Sessions past the slots get DynamicCaches.
-        #: the lean decoder's attention for batched decode steps outside the pool (FastDecoder.decode_attention
-        #: when None; "padded" is the A/B in duplex.bench.gpu_capacity)
-        self.decode_attention: str | None = None
         if kv_pool_slots is None:
             kv_pool_slots = 64 if self._device().type == "cuda" else 0
         self.pool: KvPool | None = None
