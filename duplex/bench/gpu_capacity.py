@@ -146,49 +146,27 @@ def prompts(vocab: int, n: int, length: int, seed: int, ragged: bool = True) -> 
     return [rng.integers(lo, vocab, size=length + (i % 7 if ragged else 0)).tolist() for i in range(n)]
 
 
-def greedy(lm: Any, ids: Sequence[list[int]], tokens: int, batched: bool) -> dict[str, Any]:
-    """Greedy tokens per prompt and the first step's logits (CPU float32)."""
-    caches = [lm.new() for _ in ids]
-    if batched:
-        lm.feed_batch(caches, ids)
-    else:
-        for c, p in zip(caches, ids, strict=True):
-            lm.feed(c, p)
-    first = torch.stack([c.logits.float().cpu() for c in caches])
-    out: list[list[int]] = [[] for _ in ids]
-    for _ in range(tokens):
-        picks = [int(torch.argmax(c.logits)) for c in caches]
-        for o, t in zip(out, picks, strict=True):
-            o.append(t)
-        if batched:
-            lm.feed_batch(caches, [[t] for t in picks])
-        else:
-            for c, t in zip(caches, picks, strict=True):
-                lm.feed(c, [t])
-    return {"tokens": out, "first": first}
-
-
-def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
-    pairs = [(x, y) for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True)]
-    return sum(int(x == y) for x, y in pairs) / max(len(pairs), 1)
-
-
 def llm_agreement(cpu_model: torch.nn.Module, dev_model: torch.nn.Module, vocab: int) -> dict[str, Any]:
     from dialogue.kv_cache import CachedLM
+    from duplex.bench.gpu_check import greedy_decode, token_agreement
 
     ids = prompts(vocab, 4, 20, seed=1)
     ref_lm, dev_lm = CachedLM(cpu_model, sink_tokens=0), CachedLM(dev_model, sink_tokens=0)
     with torch.inference_mode():
-        ref = greedy(ref_lm, ids, 8, batched=False)
-        one = greedy(dev_lm, ids, 8, batched=False)
-        bat = greedy(dev_lm, ids, 8, batched=True)
+        ref = greedy_decode(ref_lm, ids, 8, batched=False)
+        one = greedy_decode(dev_lm, ids, 8, batched=False)
+        bat = greedy_decode(dev_lm, ids, 8, batched=True)
     return {
         "lean_decoder": dev_lm.fast is not None,
-        "tokens_device_vs_cpu_float32": agreement(one["tokens"], ref["tokens"]),
-        "tokens_device_batched_vs_one_by_one": agreement(bat["tokens"], one["tokens"]),
-        "max_first_logit_diff_device_vs_cpu_float32": float((one["first"] - ref["first"]).abs().max()),
-        "max_first_logit_diff_batched_vs_one_by_one": float((bat["first"] - one["first"]).abs().max()),
-        "logit_scale": float(ref["first"].abs().max()),
+        "tokens_device_vs_cpu_float32": token_agreement(one["tokens"], ref["tokens"]),
+        "tokens_device_batched_vs_one_by_one": token_agreement(bat["tokens"], one["tokens"]),
+        "max_first_logit_diff_device_vs_cpu_float32": float(
+            (one["first_logits"] - ref["first_logits"]).abs().max()
+        ),
+        "max_first_logit_diff_batched_vs_one_by_one": float(
+            (bat["first_logits"] - one["first_logits"]).abs().max()
+        ),
+        "logit_scale": float(ref["first_logits"].abs().max()),
     }
 
 

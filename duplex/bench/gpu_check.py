@@ -42,8 +42,9 @@ PROMPTS = (
 )
 
 
-def _decode(lm: CachedLM, prompts: Sequence[list[int]], tokens: int, batched: bool) -> dict[str, Any]:
-    """Greedy tokens per prompt and the first step's logits [B, vocab] (float32, CPU)."""
+def greedy_decode(lm: CachedLM, prompts: Sequence[list[int]], tokens: int, batched: bool) -> dict[str, Any]:
+    """Greedy tokens per prompt, the first step's logits [B, vocab] (float32, CPU) and the decode's seconds;
+    one session at a time (`CachedLM.feed`) or all together (`feed_batch`)."""
     caches = [lm.new() for _ in prompts]
     if batched:
         lm.feed_batch(caches, prompts)
@@ -65,7 +66,7 @@ def _decode(lm: CachedLM, prompts: Sequence[list[int]], tokens: int, batched: bo
     return {"tokens": out, "first_logits": first, "decode_s": time.perf_counter() - t0}
 
 
-def _agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
+def token_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
     same = total = 0
     for x, y in zip(a, b, strict=True):
         same += sum(int(p == q) for p, q in zip(x, y, strict=True))
@@ -89,8 +90,8 @@ def run(profile: str | None, device: str, dtype: str, n_prompts: int, tokens: in
                 prompts.append(list(tok(text, add_special_tokens=False)["input_ids"]))
         lm = CachedLM(model, sink_tokens=0, window_tokens=opts.window_tokens, evict_chunk=opts.evict_chunk)
         with torch.inference_mode():
-            results[name] = {"one_by_one": _decode(lm, prompts, tokens, False)}
-            results[name]["batched"] = _decode(lm, prompts, tokens, True)
+            results[name] = {"one_by_one": greedy_decode(lm, prompts, tokens, False)}
+            results[name]["batched"] = greedy_decode(lm, prompts, tokens, True)
         del model, lm
     ref, dev_ = results["cpu_float32"], results["device"]
 
@@ -107,16 +108,16 @@ def run(profile: str | None, device: str, dtype: str, n_prompts: int, tokens: in
         "prompts": len(prompts),
         "tokens": tokens,
         "token_agreement": {
-            "device_one_by_one_vs_cpu_float32": _agreement(
+            "device_one_by_one_vs_cpu_float32": token_agreement(
                 dev_["one_by_one"]["tokens"], ref["one_by_one"]["tokens"]
             ),
-            "device_batched_vs_cpu_float32": _agreement(
+            "device_batched_vs_cpu_float32": token_agreement(
                 dev_["batched"]["tokens"], ref["one_by_one"]["tokens"]
             ),
-            "device_batched_vs_device_one_by_one": _agreement(
+            "device_batched_vs_device_one_by_one": token_agreement(
                 dev_["batched"]["tokens"], dev_["one_by_one"]["tokens"]
             ),
-            "cpu_batched_vs_cpu_one_by_one": _agreement(
+            "cpu_batched_vs_cpu_one_by_one": token_agreement(
                 ref["batched"]["tokens"], ref["one_by_one"]["tokens"]
             ),
         },
