@@ -348,11 +348,11 @@ class FastDecoder:
         pool = _shared_pool(caches)
         how = decode_attention or self.decode_attention
         per_session = decode and pool is None and how == "per_session"
-        if pool is not None:
-            slots_t = torch.tensor([c.slot for c in caches], device=device)
-            slot_rows = torch.repeat_interleave(slots_t, torch.tensor(lens, device=device))  # per packed row
         starts_t = torch.tensor([int(s) for s in starts], device=device)
         lens_t = torch.tensor(lens, device=device)
+        if pool is not None:
+            slots_t = torch.tensor([c.slot for c in caches], device=device)
+            slot_rows = torch.repeat_interleave(slots_t, lens_t)  # the slot of every packed row
         mask = None
         if not per_session:
             # query t of session b sees keys 0..starts[b] + t; a padding query (t >= lens[b]) copies

@@ -364,14 +364,17 @@ class CachedLM:
         if k <= 0:
             return
         s = min(self.sink_tokens, len(c.ids))
-        if isinstance(c.cache, PooledCache):
+        if isinstance(c.cache, PooledCache):  # moved in place in its slot
             cs, sn = self._rope_shift(k, self._device())
             c.cache.evict(s, k, lambda keys: self._rotate(keys, cs, sn))
-            del c.ids[s : s + k]
-            c.evicted += k
-            return
+        else:
+            self._evict_dynamic(c.cache, s, k)
+        del c.ids[s : s + k]
+        c.evicted += k
+
+    def _evict_dynamic(self, cache: DynamicCache, s: int, k: int) -> None:
         cos = sin = None
-        for layer in c.cache.layers:
+        for layer in cache.layers:
             keys, values = layer.keys, layer.values
             if keys is None or keys.numel() == 0:
                 continue
@@ -382,8 +385,6 @@ class CachedLM:
                 kept = self._rotate(kept, cos, sin)
             layer.keys = torch.cat((keys[..., :s, :], kept), dim=-2)
             layer.values = torch.cat((values[..., :s, :], values[..., s + k :, :]), dim=-2)
-        del c.ids[s : s + k]
-        c.evicted += k
 
     def _rope_shift(self, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of the model's own RoPE at position k, float32, without attention scaling."""

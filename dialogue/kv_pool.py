@@ -17,6 +17,7 @@ when it is full, `CachedLM.new` hands out plain `DynamicCache`s, which batch the
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -59,10 +60,7 @@ class KvPool:
 
     def slot_bytes(self) -> int:
         """Bytes one session's slot reserves (all layers, keys and values)."""
-        n = 1
-        for d in self.shape[1:]:
-            n *= d
-        return 2 * self.layers * n * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layers * math.prod(self.shape[1:]) * torch.empty((), dtype=self.dtype).element_size()
 
     def new_cache(self) -> PooledCache | None:
         """A cache in a free slot (empty), or None when every slot is taken."""
