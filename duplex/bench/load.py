@@ -517,7 +517,7 @@ async def run_soak(
             "sessions": stats.get("sessions"),
             "rss_mb": proc.get("rss_mb"),
             "threads": proc.get("threads"),
-            "server_tasks": None,
+            "server_tasks": proc.get("asyncio_tasks"),  # None from a server older than this field
             "client_tasks": len(asyncio.all_tasks()),
             "overruns": sum(int(v.get("overruns", 0)) for v in ex.values()),
             "failures": sum(int(v.get("failures", 0)) for v in ex.values()),

@@ -1,12 +1,18 @@
 """Give freed heap memory back to the OS. The stages allocate and free large, varying buffers (LLM KV
 windows, ASR segments, TTS audio) from several threads; glibc keeps freed pages for reuse, and a live
 server's RSS grew ~40 MB a minute while tracemalloc saw ~0.3 MB: `malloc_trim(0)` released 550 MB of it
-(docs/results/2026-11-26.md, "Soak"). `HeapTrimmer` calls it from a background thread every few seconds."""
+(docs/results/2026-11-26.md, "Soak"). `HeapTrimmer` calls it from a background thread every few seconds.
+
+Python's cycle collector is the other half: memory in reference cycles waits for a full collection, which
+starts only once new long-lived objects pass a quarter of all of them; with the models' millions of
+objects loaded that is minutes. `freeze_loaded()` takes what is alive after loading out of its reach (full
+passes get short and frequent), and `GcPauses` reports each pass's length, which stalls every thread."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import threading
@@ -91,3 +97,42 @@ class HeapTrimmer:
         if self._thread is not None:
             self._thread.join(timeout=2.0)
             self._thread = None
+
+
+def freeze_loaded() -> int:
+    """Collect, then move every object alive now (models, libraries, config) to the collector's permanent
+    generation (`gc.freeze`): later full passes walk only what sessions create. Returns how many were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+class GcPauses:
+    """Times the cycle collector's passes through `gc.callbacks`: `on_pause(generation, seconds, collected)`
+    after each one. `install()` once; `remove()` when the service closes."""
+
+    def __init__(self, on_pause: Callable[[int, float, int], None]) -> None:
+        self.on_pause = on_pause
+        self._t0 = 0.0
+        self._installed = False
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        try:
+            self.on_pause(
+                int(info.get("generation", 0)), time.perf_counter() - self._t0, int(info.get("collected", 0))
+            )
+        except Exception:  # a metrics hook must never break a collection
+            log.exception("gc pause observer failed")
+
+    def install(self) -> None:
+        if not self._installed:
+            gc.callbacks.append(self._callback)
+            self._installed = True
+
+    def remove(self) -> None:
+        if self._installed:
+            gc.callbacks.remove(self._callback)
+            self._installed = False

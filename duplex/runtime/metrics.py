@@ -83,7 +83,25 @@ class Metrics:
         self.heap_trim_seconds = Counter(
             "duplex_heap_trim_seconds", "time spent trimming the heap", registry=r
         )
+        self.gc_passes = Counter(
+            "duplex_gc_collections", "cycle-collector passes, by generation", ["generation"], registry=r
+        )
+        self.gc_seconds = Counter(
+            "duplex_gc_pause_seconds",
+            "time every thread stood still in cycle-collector passes",
+            ["generation"],
+            registry=r,
+        )
+        self.gc_longest = Gauge(
+            "duplex_gc_longest_pause_seconds", "the longest cycle-collector pass so far", registry=r
+        )
+        self.gc_collected = Counter(
+            "duplex_gc_collected_objects",
+            "objects the cycle collector freed (memory in reference cycles)",
+            registry=r,
+        )
         self._speech_started: dict[str, float] = {}
+        self._gc_longest = 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -123,6 +141,15 @@ class Metrics:
 
     def observe_restart(self, reason: str) -> None:
         self.worker_restarts.labels(reason).inc()
+
+    def observe_gc(self, generation: int, seconds: float, collected: int) -> None:
+        """Called from inside the collector (any thread): one pass of `generation`."""
+        self.gc_passes.labels(str(generation)).inc()
+        self.gc_seconds.labels(str(generation)).inc(seconds)
+        self.gc_collected.inc(collected)
+        if seconds > self._gc_longest:
+            self._gc_longest = seconds
+            self.gc_longest.set(seconds)
 
     def observe_heap_trim(self, seconds: float, released_mb: float) -> None:
         self.heap_trims.inc()

@@ -84,6 +84,10 @@ class SessionRunner:
         self._wake = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._tasks: list[asyncio.Task[None]] = []
+        # jobs in flight by their future: the future's done callback must not hold its job, since the
+        # job holds the future (a reference cycle that kept every finished job's states, KV caches and
+        # logits alive until a full collection: the soak's ~40 MB a minute, docs/results/2026-11-26.md)
+        self._inflight: dict[Future[tuple[Any, Any]], Job] = {}
         self._closed = False
         self.failed: BaseException | None = None
         self.limits = limits
@@ -159,6 +163,7 @@ class SessionRunner:
             return
         self._closed = True
         self.core.close()
+        self._inflight.clear()
         for task in self._tasks:
             task.cancel()
         # bounded: a transport's send that swallowed the cancel must not hang the session forever
@@ -170,6 +175,9 @@ class SessionRunner:
                 task.exception()  # retrieved: the tasks log their own failures
         for task in stuck:
             log.warning("session %s: task %s did not stop within 5 s", self.core.session_id, task.get_name())
+        # a cancelled task keeps its CancelledError, whose traceback holds the task's frames and so this
+        # runner: drop the tasks so that the session is freed by reference counting, not a full collection
+        self._tasks = []
 
     # -- internals -----------------------------------------------------------------------
 
@@ -181,7 +189,8 @@ class SessionRunner:
             except RuntimeError as exc:  # executor closed: the server is shutting down
                 self.core.on_failure(job, exc)
                 continue
-            fut.add_done_callback(lambda f, job=job: self._from_worker(job, f))
+            self._inflight[fut] = job
+            fut.add_done_callback(self._from_worker)
         for item in self.core.take_outputs():
             self._enqueue(item)
         self._wake.set()
@@ -205,13 +214,14 @@ class SessionRunner:
         self._closed = True
         self.core.close()
 
-    def _from_worker(self, job: Job, fut: Future[tuple[Any, Any]]) -> None:
+    def _from_worker(self, fut: Future[tuple[Any, Any]]) -> None:
         # runs in a worker thread: hop onto the event loop before touching the core
         with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
-            self._loop.call_soon_threadsafe(self._on_done, job, fut, context=self._context)
+            self._loop.call_soon_threadsafe(self._on_done, fut, context=self._context)
 
-    def _on_done(self, job: Job, fut: Future[tuple[Any, Any]]) -> None:
-        if self._closed:
+    def _on_done(self, fut: Future[tuple[Any, Any]]) -> None:
+        job = self._inflight.pop(fut, None)
+        if self._closed or job is None:
             return
         exc = fut.exception()
         if exc is not None:

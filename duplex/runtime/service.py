@@ -33,7 +33,7 @@ from duplex.base.messages import (
 from duplex.core.session import SR, SessionCore
 from duplex.core.stages import Stages
 from duplex.runtime.executor import DeviceExecutor
-from duplex.runtime.heap import HeapTrimmer
+from duplex.runtime.heap import GcPauses, HeapTrimmer, freeze_loaded
 from duplex.runtime.metrics import Metrics
 from duplex.runtime.runner import SessionRunner
 from tts.loading import BACKENDS as TTS_BACKENDS
@@ -93,6 +93,14 @@ def load_asr(cfg: Any) -> Any:
     from asr.moonshine import load_asr_stage
 
     return load_asr_stage(cfg)
+
+
+def _asyncio_tasks() -> int | None:
+    """Tasks alive on the running event loop (a soak watches it for leaks); None off the loop."""
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:
+        return None
 
 
 def warm_up(stages: Stages) -> dict[str, float]:
@@ -208,6 +216,8 @@ class DuplexService:
         self.runners: dict[str, SessionRunner] = {}
         self.heap = HeapTrimmer(self.limits.heap_trim_s, on_trim=self.metrics.observe_heap_trim)
         self.heap.start()
+        self.gc_pauses = GcPauses(self.metrics.observe_gc)
+        self.gc_pauses.install()
         self.started = time.time()
         self.sessions_total = 0
         self.draining = False
@@ -225,6 +235,11 @@ class DuplexService:
         stages = build_stages(profile, progress=progress)
         if warm:
             log.info("warm-up: %s", {k: round(v, 3) for k, v in warm_up(stages).items()})
+        t0 = time.perf_counter()
+        frozen = freeze_loaded()
+        log.info(
+            "gc: %d objects alive after loading frozen in %.0f ms", frozen, 1000 * (time.perf_counter() - t0)
+        )
         return cls(profile, stages, limits=limits)
 
     def full(self) -> bool:
@@ -320,6 +335,7 @@ class DuplexService:
                 "rss_mb": round(proc.memory_info().rss / 2**20, 1),
                 "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 "threads": proc.num_threads(),
+                "asyncio_tasks": _asyncio_tasks(),
             },
         }
 
@@ -327,4 +343,5 @@ class DuplexService:
         for sid in list(self.sessions):
             self.close_session(sid)
         self.heap.close()
+        self.gc_pauses.remove()
         self.executor.close()

@@ -92,6 +92,8 @@ async def test_bench_against_tone_server(server, tmp_path) -> None:
     assert rtf["labels"]["vad"]["jobs"] > 0 and rtf["labels"]["vad"]["rtf"] is not None
     assert rtf["process"]["peak_rss_mb"] > 0
     assert data["server_stats"]["after"]["executor"]
+    # the server's own count of asyncio tasks (a soak against a separate server watches it for leaks)
+    assert data["server_stats"]["after"]["process"]["asyncio_tasks"] >= 1
     png = (tmp_path / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(lines) >= 3  # a line per turn / trial

@@ -1,0 +1,78 @@
+"""What a session creates is freed by reference counting alone, never left for the cycle collector.
+
+With the models loaded, Python's collector starts a full pass only after minutes of new objects, so
+anything in a reference cycle (a finished job and its future held each other, and with them the job's
+dialogue state: KV caches, logits) stayed alive that long: the soak's ~40 MB a minute. Tiny tone stages."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+
+from duplex.base.config import load_profile
+from duplex.core.jobs import Job
+from duplex.core.session import SessionCore
+from duplex.runtime.heap import GcPauses, freeze_loaded
+from duplex.runtime.runner import SessionRunner
+from duplex.runtime.service import DuplexService, ServiceLimits
+from duplex.testing.fakes import fake_stages, scripted_answer
+from duplex.transports.native import DuplexServer, ServerSettings
+
+from .test_faults import QUESTION, converse, speech
+
+
+def count(kind: type) -> int:
+    # type(), not isinstance: a dead weak proxy among the objects raises on isinstance
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), kind))
+
+
+@pytest.fixture
+def no_cycle_collector() -> Iterator[None]:
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+async def test_finished_jobs_and_closed_sessions_need_no_cycle_collector(no_cycle_collector: None) -> None:
+    before = {kind: count(kind) for kind in (Job, SessionCore, SessionRunner)}
+    service = DuplexService(
+        load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=2)
+    )
+    srv = DuplexServer(service, ServerSettings(host="127.0.0.1", port=0))
+    await srv.start()
+    try:
+        events, code = await converse(f"ws://127.0.0.1:{srv.port}/v1/duplex", speech(QUESTION, 0.3))
+        assert any(e["type"] == "response.done" and e["status"] == "completed" for e in events)
+        assert code is None
+        jobs_run = sum(s["jobs"] for s in service.executor.stats().values())
+        assert jobs_run > 50  # VAD, ASR, LLM and TTS jobs of a whole turn ran
+    finally:
+        await srv.close()
+        service.close()
+    # the session's runner, core and every job it submitted are gone without a collection
+    assert {kind: count(kind) - n for kind, n in before.items()} == {Job: 0, SessionCore: 0, SessionRunner: 0}
+
+
+def test_gc_pauses_are_reported_and_freeze_keeps_objects_alive() -> None:
+    seen: list[tuple[int, float, int]] = []
+    pauses = GcPauses(lambda gen, s, n: seen.append((gen, s, n)))
+    pauses.install()
+    try:
+        a: list[object] = []
+        a.append(a)  # a cycle for the collector to free
+        del a
+        gc.collect()
+    finally:
+        pauses.remove()
+    assert seen and seen[-1][0] == 2 and seen[-1][1] >= 0 and seen[-1][2] >= 1
+    kept = [object()]
+    try:
+        assert freeze_loaded() >= 1
+        assert gc.get_freeze_count() >= 1 and kept
+    finally:
+        gc.unfreeze()
