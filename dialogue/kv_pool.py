@@ -83,7 +83,17 @@ class PooledLayer:
     """One layer of a `PooledCache`, with the parts of `DynamicLayer` that the decoders use."""
 
     def __init__(self, cache: PooledCache, index: int) -> None:
-        self.cache, self.index = cache, index
+        # a weak reference: the cache holds its layers, and a cycle would keep a session's slot taken until
+        # the cycle collector's next full pass (minutes in a server), so the pool ran out of slots
+        self._cache = weakref.ref(cache)
+        self.index = index
+
+    @property
+    def cache(self) -> PooledCache:
+        c = self._cache()
+        if c is None:
+            raise RuntimeError("PooledLayer: its PooledCache is gone (a layer used after its cache)")
+        return c
 
     @property
     def keys(self) -> torch.Tensor:
