@@ -54,8 +54,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         base = load_limits()
-        limits = ServiceLimits(**vars(base), bulk_workers=args.workers).with_overrides(
-            {name: getattr(args, name, None) for name in LIMIT_FLAGS}
+        limits = ServiceLimits(**vars(base)).with_overrides(
+            {"bulk_workers": args.workers, **{name: getattr(args, name, None) for name in LIMIT_FLAGS}}
         )
     except ConfigError as exc:
         print(f"duplex serve: limits: {exc}", file=sys.stderr)
@@ -185,7 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8765)
     s.add_argument("--profile", default=None, help="profile in models.yaml (default: its default_profile)")
-    s.add_argument("--workers", type=int, default=1, help="bulk executor worker threads (ASR/LLM/TTS)")
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="bulk executor worker threads (ASR/LLM/TTS; limits.bulk_workers: 2)",
+    )
     s.add_argument(
         "--api-key",
         action="append",

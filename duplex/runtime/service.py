@@ -127,9 +127,8 @@ def warm_up(stages: Stages) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class ServiceLimits(ServerLimits):
-    """The server's limits (`duplex.base.limits.ServerLimits`) and its executor's bulk workers."""
-
-    bulk_workers: int = 1
+    """The server's limits (`duplex.base.limits.ServerLimits`, `bulk_workers` included), as the service
+    takes them."""
 
 
 # -- output checks: a stage result that would poison a session fails that job instead ----------
