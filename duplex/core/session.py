@@ -713,8 +713,13 @@ class SessionCore:
         else:
             step = RespondStep(None, self.step_tokens)
             label = "llm.step"
+        budget = self.budgets[label]
+        if label == "llm.step" and resp.committed:
+            # due when the audio already queued runs out, less the voice's time for the new words: a step of
+            # an answer seconds ahead yields to other sessions' first steps and to answers about to run dry
+            budget = max(budget, self.playout.buffered(self.clock()) - self.budgets["tts"])
         resp.llm_started = True
-        self._submit("llm", label, self._llm_state, step, self.budgets[label], tag=resp.rid)
+        self._submit("llm", label, self._llm_state, step, budget, tag=resp.rid)
 
     def _on_llm(self, job: Job, out: ListenOutput | OverlapOutput | RespondOutput, state: Any) -> None:
         self._llm_state = state

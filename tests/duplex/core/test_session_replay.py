@@ -124,6 +124,32 @@ def test_a_tts_that_owes_chunks_is_stepped_until_it_has_said_everything():
     assert result.events("response.done")[-1].text == "two plus two is four"
 
 
+def test_an_answer_with_audio_queued_steps_its_llm_by_the_playout_not_the_budget():
+    """EDF across sessions: a continuation step is due when the answer's queued audio runs out (less the
+    voice's budget), so a long answer's steps yield to other callers' first steps and to answers about
+    to run dry; the first step keeps its budget."""
+    core, clock, _ = make_core()
+    deadlines: dict[str, list[float]] = {"llm.first": [], "llm.step": []}
+    take = core.take_jobs
+
+    def taken() -> list:
+        got = take()
+        for j in got:
+            if j.label in deadlines:
+                deadlines[j.label].append(round(j.deadline - clock.t, 3))
+        return got
+
+    core.take_jobs = taken  # type: ignore[method-assign]
+    audio = np.concatenate([silence(0.3), tone_speech("tell me a story"), silence(8.0)])
+    result = replay(core, clock, audio, COSTS)
+    assert result.events("response.done")[0].status == "completed"
+    profile = load_profile("cpu")
+    first, step = profile.component("llm").budget("first"), profile.component("llm").budget("step")
+    assert deadlines["llm.first"] == [pytest.approx(first)]
+    assert len(deadlines["llm.step"]) >= 3 and min(deadlines["llm.step"]) >= step - 1e-9
+    assert max(deadlines["llm.step"]) > step + 0.2  # later steps wait behind the audio already queued
+
+
 def test_answer_starts_right_after_the_hangover_thanks_to_speculation():
     core, clock, _ = make_core(end_of_turn_silence_ms=500)
     speech = tone_speech("what is the capital of france")
