@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=None,
-        help="bulk executor worker threads (ASR/LLM/TTS; limits.bulk_workers: 2)",
+        help="bulk executor worker threads (ASR/LLM/TTS; models.yaml limits.bulk_workers)",
     )
     s.add_argument(
         "--api-key",

@@ -68,8 +68,8 @@ class ServerLimits:
     # glibc keeps freed heap pages: give them back to the OS this often (seconds; 0: never)
     heap_trim_s: float = 10.0
     # executor worker threads for the bulk stages (ASR, LLM, TTS); with one, a caller's transcription waits
-    # behind another's LLM step (4 callers on 2 cores: onset P90 3.2 s with 1, 1.9 s with 2, docs/operations.md)
-    bulk_workers: int = 2
+    # behind another's LLM step; 2 with the cpu-multi profile serve several callers better (docs/operations.md)
+    bulk_workers: int = 1
 
     def with_overrides(self, overrides: dict[str, Any]) -> ServerLimits:
         """These limits with some replaced; unknown names or non-positive values raise ConfigError."""
