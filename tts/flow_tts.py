@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -201,6 +202,7 @@ class FlowTtsStage:
         temperature: float = 1.0,
         device: str | torch.device = "cpu",
         front_on_cpu: bool = True,
+        front_batch: bool = True,
     ) -> None:
         if model.cfg.latent_dim != codec.cfg.latent_dim:
             raise ModelError(
@@ -214,6 +216,9 @@ class FlowTtsStage:
         #: and it keeps the rounded durations identical to the CPU voice's. Only its output moves.
         self.device = torch.device(device)
         self.front_device = torch.device("cpu") if front_on_cpu else self.device
+        #: a step_batch runs every session's new phrases through the front half in one padded pass (False:
+        #: session by session, the A/B of `duplex.bench.gpu_capacity --tts-front cpu-serial`)
+        self.front_batch = bool(front_batch)
         same = self.front_device == self.device
         self.front_model = model.eval() if same else copy.deepcopy(model).eval()
         self.model, self.codec, self.front = model.eval().to(self.device), codec.eval().to(self.device), front
@@ -235,46 +240,62 @@ class FlowTtsStage:
     @torch.no_grad()
     def utterances(self, phrase: str) -> list[Utterance]:
         """G2P, durations (pauses set by punctuation), frame conditions and word ends for one phrase."""
-        sents = self.front.sentences(phrase)
-        words = phrase.split()
-        pw = [_phoneme_words(ids, self.front.space_id) for ids in sents]
-        counts = [len({w for w in p if w >= 0}) for p in pw]
-        owner = word_map(words, counts, self.front)
-        out: list[Utterance] = []
-        base = 0
-        sub = self.model.cfg.subframes
-        for si, (ids, p) in enumerate(zip(sents, pw, strict=True)):
-            fm = self.front_model
-            h = fm.encoder(torch.tensor([ids], dtype=torch.long, device=self.front_device))
+        return self.utterances_batch([phrase])[0]
+
+    @torch.no_grad()
+    def utterances_batch(self, phrases: Sequence[str]) -> list[list[Utterance]]:
+        """`utterances` for several phrases at once: G2P phrase by phrase, then one encoder, duration and
+        length-regulator pass over every sentence of every phrase, padded (the encoder is causal with a
+        fixed lookahead and padding reads as the end of a sentence, the regulator works frame by frame, so
+        each sentence gets what it would alone, up to float rounding). A `step_batch` of many sessions'
+        first phrases pays these small models' per-call cost once instead of once per phrase."""
+        plans = []
+        rows: list[tuple[int, int, list[int]]] = []  # (phrase, sentence, phoneme ids)
+        for k, phrase in enumerate(phrases):
+            sents = self.front.sentences(phrase)
+            words = phrase.split()
+            pw = [_phoneme_words(ids, self.front.space_id) for ids in sents]
+            counts = [len({w for w in p if w >= 0}) for p in pw]
+            plans.append((words, pw, counts, word_map(words, counts, self.front)))
+            rows.extend((k, si, list(ids)) for si, ids in enumerate(sents))
+        out: list[list[Utterance]] = [[] for _ in phrases]
+        if rows:
+            fm, sub = self.front_model, self.model.cfg.subframes
+            width = max(len(ids) for _, _, ids in rows)
+            ids_t = torch.zeros(len(rows), width, dtype=torch.long)
+            valid = torch.zeros(len(rows), width, dtype=torch.bool)
+            for r, (_, _, ids) in enumerate(rows):
+                ids_t[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                valid[r, : len(ids)] = True
+            ids_t, valid = ids_t.to(self.front_device), valid.to(self.front_device)
+            h = fm.encoder(ids_t, valid if len(rows) > 1 else None)
             units = fm.predict_units(h, self.speed)
-            units[0, 0] = LEAD_UNITS
             skip = max(0, int(LEAD_UNITS * UNIT_SUBFRAMES) // sub - LEAD_KEEP_FRAMES)
-            units[0, -1] = PAUSE_UNITS[pause_kind(phrase) if si == len(sents) - 1 else "sentence"]
+            for r, (k, si, ids) in enumerate(rows):
+                last = si == sum(1 for kk, _, _ in rows if kk == k) - 1
+                units[r, len(ids) :] = 0  # padding: no frames
+                units[r, 0] = LEAD_UNITS
+                units[r, len(ids) - 1] = PAUSE_UNITS[pause_kind(phrases[k]) if last else "sentence"]
             cond = fm.regulate(h, units)
-            ends_sub = torch.cumsum(units[0] * UNIT_SUBFRAMES, 0).tolist()
-            end: dict[int, int] = {}
-            for pos, w in enumerate(p):
-                if w >= 0:
-                    tw = owner[min(base + w, len(owner) - 1)]
-                    end[tw] = max(end.get(tw, 0), -(-int(ends_sub[pos]) // sub))
-            base += counts[si]
-            mine = sorted(end)
-            c_dev, mu_dev = cond.cond.to(self.device), cond.mu.to(self.device)
-            out.append(Utterance(c_dev, mu_dev, [words[i] for i in mine], [end[i] for i in mine], mine, skip))
-        # every text word is spoken by exactly one utterance: one no phoneme maps to ("&", a stray symbol)
-        # rides with the word before it (or opens the first utterance)
-        mapped = {i for u in out for i in u.word_ids}
-        for i in range(len(words)):
-            if i in mapped or not out:
-                continue
-            target = out[0]
-            for u in out:
-                if any(j < i for j in u.word_ids):
-                    target = u
-            k = sum(1 for j in target.word_ids if j < i)
-            target.word_ids.insert(k, i)
-            target.words.insert(k, words[i])
-            target.word_end.insert(k, target.word_end[k - 1] if k else 0)
+            base = [0] * len(phrases)
+            for r, (k, si, ids) in enumerate(rows):
+                words, pw, counts, owner = plans[k]
+                ends_sub = torch.cumsum(units[r, : len(ids)] * UNIT_SUBFRAMES, 0).tolist()
+                end: dict[int, int] = {}
+                for pos, w in enumerate(pw[si]):
+                    if w >= 0:
+                        tw = owner[min(base[k] + w, len(owner) - 1)]
+                        end[tw] = max(end.get(tw, 0), -(-int(ends_sub[pos]) // sub))
+                base[k] += counts[si]
+                mine = sorted(end)
+                n = int(cond.frames[r])
+                c_dev = cond.cond[r : r + 1, :n].to(self.device)
+                mu_dev = cond.mu[r : r + 1, :n].to(self.device)
+                out[k].append(
+                    Utterance(c_dev, mu_dev, [words[i] for i in mine], [end[i] for i in mine], mine, skip)
+                )
+        for k, utts in enumerate(out):
+            _attach_unmapped(utts, plans[k][0])
         return out
 
     # -- back half: utterances -> chunks, batched over sessions ---------------------------------------------
@@ -335,9 +356,13 @@ class FlowTtsStage:
                     c.flow, c.decoder = f, d
                     self._advance(c, a.astype(np.float32), n)
 
-    def _prepare(self, state: FlowTtsState, chunk: TtsInput) -> tuple[_Cursor, PhraseState]:
+    def _prepare(
+        self, state: FlowTtsState, chunk: TtsInput, new: list[list[Utterance]] | None = None
+    ) -> tuple[_Cursor, PhraseState]:
         phrases, phrase_state = self.segmenter.step(state.phrases, chunk.text, chunk.final)
-        utts = [*state.backlog, *(u for p in phrases for u in self.utterances(p))]
+        if new is None:
+            new = self.utterances_batch(phrases)
+        utts = [*state.backlog, *(u for p in new for u in p)]
         decoder = state.decoder if state.decoder is not None else self.codec.init_state(1, self.device)
         cur = _Cursor(utts, decoder, self.seed, state.utterances, frame=state.frame, flow=state.flow)
         cur.done_words = state.done_words
@@ -384,9 +409,36 @@ class FlowTtsStage:
         self, items: list[tuple[FlowTtsState, TtsInput]]
     ) -> list[tuple[list[TtsChunk], FlowTtsState]]:
         """Several sessions at once: the flow and the codec run batched over their chunks, round by round."""
-        prepared = [self._prepare(s, c) for s, c in items]
+        # every session's new phrases through the front half in one batch, then each session's cursor
+        ready = [self.segmenter.step(s.phrases, c.text, c.final)[0] for s, c in items]
+        per_item: list[list[list[Utterance]]] = []
+        if self.front_batch:
+            flat = self.utterances_batch([p for phrases in ready for p in phrases])
+            for phrases in ready:
+                per_item.append(flat[: len(phrases)])
+                flat = flat[len(phrases) :]
+        else:
+            per_item = [self.utterances_batch(phrases) for phrases in ready]
+        prepared = [self._prepare(s, c, new) for (s, c), new in zip(items, per_item, strict=True)]
         self._run([cur for cur, _ in prepared])
         return [self._finish(s, cur, ps, c.final) for (s, c), (cur, ps) in zip(items, prepared, strict=True)]
+
+
+def _attach_unmapped(out: list[Utterance], words: list[str]) -> None:
+    """Every text word is spoken by exactly one utterance: one no phoneme maps to ("&", a stray symbol)
+    rides with the word before it (or opens the first utterance)."""
+    mapped = {i for u in out for i in u.word_ids}
+    for i in range(len(words)):
+        if i in mapped or not out:
+            continue
+        target = out[0]
+        for u in out:
+            if any(j < i for j in u.word_ids):
+                target = u
+        k = sum(1 for j in target.word_ids if j < i)
+        target.word_ids.insert(k, i)
+        target.words.insert(k, words[i])
+        target.word_end.insert(k, target.word_end[k - 1] if k else 0)
 
 
 # -- loading ------------------------------------------------------------------------------------------------

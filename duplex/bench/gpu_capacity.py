@@ -304,9 +304,9 @@ def front_end(kind: str = "auto") -> Any:
         return TableFrontEnd.load(PHONEMES)
 
 
-def flow_stage(device: torch.device, front: Any, front_on_cpu: bool = True) -> Any:
+def flow_stage(device: torch.device, front: Any, front_on_cpu: bool = True, front_batch: bool = True) -> Any:
     """The shipped flow voice as the cpu-flow profile configures it, on `device` (its front half on the
-    CPU unless `front_on_cpu` is False)."""
+    CPU unless `front_on_cpu` is False; batched over sessions unless `front_batch` is False)."""
     from codec.speech_codec import load_codec
     from duplex.base.config import load_profile
     from tts.flow_tts import FlowTtsStage, _flow_files, load_flow_model
@@ -326,6 +326,7 @@ def flow_stage(device: torch.device, front: Any, front_on_cpu: bool = True) -> A
         max_phrase_words=int(o.get("max_phrase_words", 12)),
         device=device,
         front_on_cpu=front_on_cpu,
+        front_batch=front_batch,
     )
     stage.meta = meta
     return stage
@@ -485,7 +486,11 @@ def onset(
                     f"  onset {label} n={n}: p50 {r_['onset_ms_p50']} p90 {r_['onset_ms_p90']} ms",
                     file=sys.stderr,
                 )
-            state = {}  # free the caches before the next N
+            # free the caches before the next N: the loops' own names hold the last variant's too, and a
+            # pool's slots come back only when every reference is gone (else the next N's sessions spill
+            # out of the pool into plain caches and the whole batch runs the slow way)
+            sc = dc = []
+            state = {}
             release(clock)
     return rows
 
@@ -624,7 +629,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stage = None
     try:
         front = front_end(args.front_end)
-        stage = flow_stage(device, front, args.tts_front[0] == "cpu")
+        where = args.tts_front[0]
+        stage = flow_stage(device, front, where != "device", where != "cpu-serial")
         record["tts_weights"] = {
             "step": stage.meta.get("step") if stage.meta else None,
             "front_end": type(front).__name__,
@@ -642,7 +648,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             record["tts_front"] = args.tts_front
             guarded(record, "tts", lambda: tts_scaling(stage, args.sessions, clock))
             for where in args.tts_front[1:]:  # the same voice with its front half elsewhere: an A/B
-                other = flow_stage(device, front, where == "cpu")
+                other = flow_stage(device, front, where != "device", where != "cpu-serial")
                 guarded(record, f"tts[front={where}]", lambda o=other: tts_scaling(o, args.sessions, clock))
         if "onset" in args.parts:
             pairs = {v: (lms["slow"][v], lms["drafter"][v]) for v in args.llm_variants}
@@ -718,8 +724,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--tts-front",
         nargs="+",
         default=["cpu"],
-        choices=["cpu", "device"],
-        help="where the voice's front half runs; several: an A/B in the tts part (first one: onset)",
+        choices=["cpu", "device", "cpu-serial"],
+        help="where the voice's front half runs: cpu (batched over sessions), device, cpu-serial (session by "
+        "session, as before); several: an A/B in the tts part (first one: onset)",
     )
     ap.add_argument("--tiny", action="store_true", help="tiny random LLMs: the dry run of the same code")
     ap.add_argument("--out", type=Path, default=Path("gpu-check-out/capacity"))

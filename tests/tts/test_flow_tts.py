@@ -185,6 +185,33 @@ def test_step_batch_equals_one_by_one() -> None:
     assert first and state.decoder is not None
 
 
+def test_front_half_batched_over_phrases_equals_one_by_one() -> None:
+    """`utterances_batch` pads every sentence of every phrase into one encoder/duration/regulator pass
+    (what a step_batch of many sessions' first phrases runs): each utterance is what it is alone."""
+    st = stage()
+    phrases = [*TEXTS, "Hi.", "One more sentence here, and then another one. Short!"]
+    batched = st.utterances_batch(phrases)
+    for phrase, got in zip(phrases, batched, strict=True):
+        alone = st.utterances(phrase)
+        assert len(got) == len(alone)
+        for a, b in zip(alone, got, strict=True):
+            assert (a.words, a.word_end, a.word_ids, a.skip) == (b.words, b.word_end, b.word_ids, b.skip)
+            assert a.cond.shape == b.cond.shape and a.mu.shape == b.mu.shape
+            torch.testing.assert_close(b.cond, a.cond, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(b.mu, a.mu, atol=1e-5, rtol=1e-5)
+    assert st.utterances_batch([]) == []
+    # the padding itself: a short sentence padded beside a long one encodes as it does unpadded
+    enc = st.front_model.encoder
+    short, long_ = [0, 30, 31, SPACE, 32, 0], [0, *range(40, 70), 0]
+    ids = torch.zeros(2, len(long_), dtype=torch.long)
+    ids[0, : len(short)], ids[1] = torch.tensor(short), torch.tensor(long_)
+    valid = ids.new_zeros(ids.shape, dtype=torch.bool)
+    valid[0, : len(short)], valid[1] = True, True
+    h = enc(ids, valid)
+    torch.testing.assert_close(h[0, : len(short)], enc(torch.tensor([short]))[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h[1], enc(torch.tensor([long_]))[0], atol=1e-5, rtol=1e-5)
+
+
 def drain(st: FlowTtsStage, deltas: list[str]) -> tuple[list, list[int]]:
     """Drive an incremental stage as the session core does: each delta, then empty steps while it owes."""
     state, chunks, per_call = st.init_state(), [], []
