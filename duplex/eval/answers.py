@@ -207,7 +207,24 @@ def memory_verdict(answer: str, case: MemoryCase) -> tuple[bool, str]:
         return False, "role confusion (claims the caller's fact as its own)"
     if not re.search(r"\byou(?:r|'re|'ve)?\b", text):
         return False, "does not address the caller (no 'your' / 'you')"
+    if _makes_the_caller_the_subject(text, case):
+        return False, "identity confusion (makes the caller the one the fact is about)"
     return True, ""
+
+
+def _makes_the_caller_the_subject(text: str, case: MemoryCase) -> bool:
+    """A fact about someone or something of the caller's ("My brother is called Tom.") answered as if it
+    were the caller's own name: "You are Tom.", "Your name is Tom."."""
+    other = re.match(r"\s*my (?!name\b)[a-z]+ (?:is called|is named|'s name is)\b", case.statement.lower())
+    if other is None:
+        return False
+    names = [alt for group in case.answer for alt in group]
+    return any(
+        re.search(
+            rf"\b(?:you(?: are|'re)|your name is|you're called|you are called)\s+{re.escape(n)}\b", text
+        )
+        for n in names
+    )
 
 
 def answer_vocabulary(facts: Iterable[Fact]) -> set[str]:

@@ -79,6 +79,19 @@ def test_memory_verdict() -> None:
     assert not memory_verdict("Your name is Annabel.", NAME)[0]  # whole words
 
 
+def test_memory_verdict_refuses_making_the_caller_the_one_the_fact_is_about() -> None:
+    brother = MemoryCase(
+        "My brother is called Tom.", "What is my brother called?", (("tom",),), r"\bmy brother\b"
+    )
+    assert memory_verdict("Your brother is called Tom.", brother) == (True, "")
+    assert memory_verdict("You told me your brother's name is Tom.", brother) == (True, "")
+    for wrong in ("You are Tom.", "Your name is Tom.", "You're Tom, right?"):
+        ok, why = memory_verdict(wrong, brother)
+        assert not ok and "identity confusion" in why, wrong
+    # the caller's own name stays right said either way
+    assert memory_verdict("You are Anna.", NAME) == (True, "")
+
+
 def test_held_out_memory_cases_are_other_cases_graded_alike() -> None:
     from duplex.eval.answers import MEMORY_CASES, MEMORY_HELDOUT
 
