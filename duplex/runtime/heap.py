@@ -1,7 +1,8 @@
 """Give freed heap memory back to the OS. The stages allocate and free large, varying buffers (LLM KV
-windows, ASR segments, TTS audio) from several threads; glibc keeps freed pages for reuse, and a live
-server's RSS grew ~40 MB a minute while tracemalloc saw ~0.3 MB: `malloc_trim(0)` released 550 MB of it
-(docs/results/2026-11-26.md, "Soak"). `HeapTrimmer` calls it from a background thread every few seconds.
+windows, ASR segments, TTS audio) from several threads and glibc keeps freed pages for reuse: after
+warm-up `malloc_trim(0)` released 550 MB (docs/results/2026-11-26.md, "Soak"). `HeapTrimmer` calls it from
+a background thread every few seconds. (The soak's steady ~40 MB a minute was something else: a reference
+cycle per stage job, fixed in the session runner; see below for the collector.)
 
 Python's cycle collector is the other half: memory in reference cycles waits for a full collection, which
 starts only once new long-lived objects pass a quarter of all of them; with the models' millions of
