@@ -142,6 +142,8 @@ class SessionCore:
         # the last answer that reached the history: (turn id, its audio timeline, its history entry)
         self._last_spoken: tuple[int, list[tuple[float, str]], dict[str, str] | None] | None = None
         self.closed = False
+        #: LLM tokens generated for this session's answers (the service sums them for /stats: tokens/s)
+        self.llm_tokens = 0
         # learned turn-taking: what the LLM slot should do when it is free (besides answering)
         self._want_listen: tuple[int, str, int, bool] | None = None  # (segment, text, covered, at pause)
         self._want_overlap: tuple[int, str, int] | None = None  # (segment, text, covered)
@@ -736,6 +738,7 @@ class SessionCore:
             self._submit_llm()  # stale: a newer response may be waiting for the LLM
             return
         assert isinstance(out, RespondOutput), type(out)
+        self.llm_tokens += int(out.n_tokens or 0)
         delta = out.text
         if job.label == "llm.first":
             timings = out.timings

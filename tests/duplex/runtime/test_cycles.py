@@ -51,6 +51,9 @@ async def test_finished_jobs_and_closed_sessions_need_no_cycle_collector(no_cycl
         assert code is None
         jobs_run = sum(s["jobs"] for s in service.executor.stats().values())
         assert jobs_run > 50  # VAD, ASR, LLM and TTS jobs of a whole turn ran
+        # /stats counts the LLM tokens generated (the load bench's tokens/s): the answer's words at least,
+        # speculative answers to partial transcripts included
+        assert service.stats()["llm"]["tokens"] >= len("paris is the capital of france".split())
     finally:
         await srv.close()
         service.close()
