@@ -206,7 +206,9 @@ def llm_tokens_per_s(before: dict[str, Any], after: dict[str, Any], wall_s: floa
     return round((a - b) / wall_s, 2)
 
 
-LLM_TOKENS_NOTE = "the server's /stats does not count LLM tokens (a server older than llm.tokens); not measured"
+LLM_TOKENS_NOTE = (
+    "the server's /stats does not count LLM tokens (a server older than llm.tokens); not measured"
+)
 
 
 # -- the callers ---------------------------------------------------------------------------
