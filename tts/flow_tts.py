@@ -256,7 +256,7 @@ class FlowTtsStage:
             words = phrase.split()
             pw = [_phoneme_words(ids, self.front.space_id) for ids in sents]
             counts = [len({w for w in p if w >= 0}) for p in pw]
-            plans.append((words, pw, counts, word_map(words, counts, self.front)))
+            plans.append((words, pw, counts, word_map(words, counts, self.front), len(sents)))
             rows.extend((k, si, list(ids)) for si, ids in enumerate(sents))
         out: list[list[Utterance]] = [[] for _ in phrases]
         if rows:
@@ -272,14 +272,14 @@ class FlowTtsStage:
             units = fm.predict_units(h, self.speed)
             skip = max(0, int(LEAD_UNITS * UNIT_SUBFRAMES) // sub - LEAD_KEEP_FRAMES)
             for r, (k, si, ids) in enumerate(rows):
-                last = si == sum(1 for kk, _, _ in rows if kk == k) - 1
+                last = si == plans[k][4] - 1
                 units[r, len(ids) :] = 0  # padding: no frames
                 units[r, 0] = LEAD_UNITS
                 units[r, len(ids) - 1] = PAUSE_UNITS[pause_kind(phrases[k]) if last else "sentence"]
             cond = fm.regulate(h, units)
             base = [0] * len(phrases)
             for r, (k, si, ids) in enumerate(rows):
-                words, pw, counts, owner = plans[k]
+                words, pw, counts, owner, _ = plans[k]
                 ends_sub = torch.cumsum(units[r, : len(ids)] * UNIT_SUBFRAMES, 0).tolist()
                 end: dict[int, int] = {}
                 for pos, w in enumerate(pw[si]):
@@ -356,19 +356,15 @@ class FlowTtsStage:
                     c.flow, c.decoder = f, d
                     self._advance(c, a.astype(np.float32), n)
 
-    def _prepare(
-        self, state: FlowTtsState, chunk: TtsInput, new: list[list[Utterance]] | None = None
-    ) -> tuple[_Cursor, PhraseState]:
-        phrases, phrase_state = self.segmenter.step(state.phrases, chunk.text, chunk.final)
-        if new is None:
-            new = self.utterances_batch(phrases)
+    def _prepare(self, state: FlowTtsState, chunk: TtsInput, new: list[list[Utterance]]) -> _Cursor:
+        """The session's cursor over its backlog and `new` (its new phrases' utterances)."""
         utts = [*state.backlog, *(u for p in new for u in p)]
         decoder = state.decoder if state.decoder is not None else self.codec.init_state(1, self.device)
         cur = _Cursor(utts, decoder, self.seed, state.utterances, frame=state.frame, flow=state.flow)
         cur.done_words = state.done_words
         if self.chunks_per_call and not chunk.whole:
             cur.limit = 1 if state.decoder is None else self.chunks_per_call
-        return cur, phrase_state
+        return cur
 
     def _finish(
         self, state: FlowTtsState, cur: _Cursor, phrase_state: PhraseState, final: bool
@@ -410,18 +406,21 @@ class FlowTtsStage:
     ) -> list[tuple[list[TtsChunk], FlowTtsState]]:
         """Several sessions at once: the flow and the codec run batched over their chunks, round by round."""
         # every session's new phrases through the front half in one batch, then each session's cursor
-        ready = [self.segmenter.step(s.phrases, c.text, c.final)[0] for s, c in items]
+        segmented = [self.segmenter.step(s.phrases, c.text, c.final) for s, c in items]
         per_item: list[list[list[Utterance]]] = []
         if self.front_batch:
-            flat = self.utterances_batch([p for phrases in ready for p in phrases])
-            for phrases in ready:
+            flat = self.utterances_batch([p for phrases, _ in segmented for p in phrases])
+            for phrases, _ in segmented:
                 per_item.append(flat[: len(phrases)])
                 flat = flat[len(phrases) :]
         else:
-            per_item = [self.utterances_batch(phrases) for phrases in ready]
-        prepared = [self._prepare(s, c, new) for (s, c), new in zip(items, per_item, strict=True)]
-        self._run([cur for cur, _ in prepared])
-        return [self._finish(s, cur, ps, c.final) for (s, c), (cur, ps) in zip(items, prepared, strict=True)]
+            per_item = [self.utterances_batch(phrases) for phrases, _ in segmented]
+        cursors = [self._prepare(s, c, new) for (s, c), new in zip(items, per_item, strict=True)]
+        self._run(cursors)
+        return [
+            self._finish(s, cur, ps, c.final)
+            for (s, c), cur, (_, ps) in zip(items, cursors, segmented, strict=True)
+        ]
 
 
 def _attach_unmapped(out: list[Utterance], words: list[str]) -> None:

@@ -304,9 +304,9 @@ def front_end(kind: str = "auto") -> Any:
         return TableFrontEnd.load(PHONEMES)
 
 
-def flow_stage(device: torch.device, front: Any, front_on_cpu: bool = True, front_batch: bool = True) -> Any:
-    """The shipped flow voice as the cpu-flow profile configures it, on `device` (its front half on the
-    CPU unless `front_on_cpu` is False; batched over sessions unless `front_batch` is False)."""
+def flow_stage(device: torch.device, front: Any, where: str = "cpu") -> Any:
+    """The shipped flow voice as the cpu-flow profile configures it, on `device`, its front half run as
+    `--tts-front` names it: cpu (batched over sessions), device, or cpu-serial (phrase by phrase)."""
     from codec.speech_codec import load_codec
     from duplex.base.config import load_profile
     from tts.flow_tts import FlowTtsStage, _flow_files, load_flow_model
@@ -325,8 +325,8 @@ def flow_stage(device: torch.device, front: Any, front_on_cpu: bool = True, fron
         first_phrase_words=int(o.get("first_phrase_words", 3)),
         max_phrase_words=int(o.get("max_phrase_words", 12)),
         device=device,
-        front_on_cpu=front_on_cpu,
-        front_batch=front_batch,
+        front_on_cpu=where != "device",
+        front_batch=where != "cpu-serial",
     )
     stage.meta = meta
     return stage
@@ -629,8 +629,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stage = None
     try:
         front = front_end(args.front_end)
-        where = args.tts_front[0]
-        stage = flow_stage(device, front, where != "device", where != "cpu-serial")
+        stage = flow_stage(device, front, args.tts_front[0])
         record["tts_weights"] = {
             "step": stage.meta.get("step") if stage.meta else None,
             "front_end": type(front).__name__,
@@ -648,7 +647,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             record["tts_front"] = args.tts_front
             guarded(record, "tts", lambda: tts_scaling(stage, args.sessions, clock))
             for where in args.tts_front[1:]:  # the same voice with its front half elsewhere: an A/B
-                other = flow_stage(device, front, where != "device", where != "cpu-serial")
+                other = flow_stage(device, front, where)
                 guarded(record, f"tts[front={where}]", lambda o=other: tts_scaling(o, args.sessions, clock))
         if "onset" in args.parts:
             pairs = {v: (lms["slow"][v], lms["drafter"][v]) for v in args.llm_variants}
