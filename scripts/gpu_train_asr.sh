@@ -8,8 +8,9 @@
 #
 # Environment: PYTHON (default: /opt/torch/.venv/bin/python3 if present, else .venv/bin/python, else
 # python3), OUT (default ${OUT:-gpu-out}), RUN (default runs/gpu-asr), INIT (default
-# asr/weights/fc_small.nemo), WHEELS (a folder of wheels installed offline first if NeMo is missing;
-# default shared/wheels/py312).
+# asr/weights/fc_small.nemo; an export of a recipe-2 run goes on with its recipe's schedule), EVERY
+# (checkpoint every N steps, default 500), WHEELS (a folder of py3.12 wheels installed offline first if
+# NeMo is missing; default .whl, else shared/wheels/py312: docs/asr.md "GPU path" lists them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,10 +30,12 @@ while [ $# -gt 0 ]; do
 done
 
 source scripts/python.sh
+export PYTHONUNBUFFERED=1
 OUT="${OUT:-gpu-out}"
 RUN="${RUN:-runs/gpu-asr}"
 INIT="${INIT:-asr/weights/fc_small.nemo}"
-WHEELS="${WHEELS:-shared/wheels/py312}"
+WHEELS="${WHEELS:-$([ -d .whl ] && echo .whl || echo shared/wheels/py312)}"
+EVERY="${EVERY:-500}"
 # training text where Debian's wordnet-base / fortunes are missing: written here by
 # `python -m asr.training.speakers --write-text runs/asr-text.txt.gz` (1.1 MB) and carried
 if [ -z "${DUPLEX_ASR_TEXT:-}" ] && [ ! -d /usr/share/wordnet ] && [ -f runs/asr-text.txt.gz ]; then
@@ -63,7 +66,7 @@ PY
 MISSING="$(missing)"
 if [ -n "$MISSING" ] && [ -d "$WHEELS" ]; then
   echo "installing carried wheels from $WHEELS for: $MISSING"
-  "$PY" -m pip install --no-index --no-deps --find-links "$WHEELS" "$WHEELS"/*.whl >/dev/null
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --find-links "$WHEELS" "$WHEELS"/*.whl
   MISSING="$(missing)"
 fi
 if [ "$MODE" = check ] || { [ -n "$MISSING" ] && [ "$MODE" != check ]; }; then
@@ -84,7 +87,7 @@ fi
 
 mkdir -p "$OUT"
 ARGS=(--run "$RUN" --device "$DEVICE" --minutes "$MINUTES" --workers "$WORKERS" --pool $(( WORKERS * 256 ))
-      --threads 4 --every 500 --panel-n "$PANEL_N")
+      --threads 4 --every "$EVERY" --panel-n "$PANEL_N")
 [ -n "$BATCH" ] && ARGS+=(--batch-size "$BATCH")
 [ -e "$RUN/last.pt" ] || ARGS+=(--init "$INIT")
 echo "training on $DEVICE for $MINUTES min with $WORKERS data workers ($PY)"

@@ -223,12 +223,15 @@ def init_run(nemo: Path, run: Path) -> dict:
     step = int(info["step"])
     meta = {k: info[k] for k in ("d_model", "layers", "vocab", "seed", "batch_size")}
     last = info.get("last_validation")
+    # an export of a recipe-2 run carries its recipe's start: its ramps and rate schedule go on from there
+    # (the fresh optimiser warms up again over RESTART_WARMUP steps); an older export starts the recipe anew
+    recipe_start = int(info.get("recipe_start", step))
     meta.update(
         audio_s=float(info.get("audio_s", 0.0)),
         history=[last] if last else [],
         restart_step=step,
         recipe=2,
-        recipe_start=step,
+        recipe_start=recipe_start,
         init_from=str(nemo),
     )
     (run / "run.json").write_text(json.dumps(meta, indent=1))
@@ -576,6 +579,7 @@ def train_pool(
     from asr.training.streaming_model import ATT_CONTEXT_SIZES
 
     start = int(meta.get("recipe_start", 0))
+    restart = int(meta.get("restart_step", start))
     schedule = Schedule(words_from=7 if start == 0 and step < LONG_STEPS else 0)
     data_batches = int(ckpt.get("data_batches", 0))
     if "phone_head" not in ckpt:  # a shipped .nemo has no phone head: it starts fresh here
@@ -687,6 +691,8 @@ def train_pool(
             break
         t = step + 1 - start
         lr = lr_schedule(t, args.peak_lr, args.rewarm, args.hold, args.total)
+        if restart > start:  # resumed mid-recipe with a fresh optimiser
+            lr *= min(1.0, max(step + 1 - restart, 1) / RESTART_WARMUP)
         for group in opt.param_groups + phone_opt.param_groups:
             group["lr"] = lr
         spec_on = scale_spec_augment(spec_module, schedule.spec_scale(t), spec_base)

@@ -152,3 +152,21 @@ def test_training_goes_on_from_the_shipped_model(tmp_path):
     step = info["step"]
     assert lr_at(step + 1, 2e-3, 400, step) < lr_at(step + RESTART_WARMUP, 2e-3, 400, step)
     assert lr_at(step + RESTART_WARMUP, 2e-3, 400, step) == lr_at(step + RESTART_WARMUP, 2e-3, 400)
+
+
+def test_init_from_a_recipe_two_export_keeps_the_recipe_clock(tmp_path):
+    """An export of a recipe-2 run records where its recipe started: `--init` from it goes on with the same
+    ramps and rate schedule instead of starting them again (a GPU slice continues the CPU run)."""
+    import json
+
+    info = json.loads(SHIPPED.with_suffix(".json").read_text())
+    export = tmp_path / "export" / "fc_small.nemo"
+    export.parent.mkdir()
+    export.symlink_to(SHIPPED.resolve())
+    started = int(info["step"]) - 1983
+    export.with_suffix(".json").write_text(json.dumps({**info, "recipe_start": started}))
+    from asr.training.train_streaming import init_run
+
+    meta = init_run(export, tmp_path / "run")
+    assert meta["recipe_start"] == started and meta["restart_step"] == info["step"]
+    assert init_run(SHIPPED, tmp_path / "old")["recipe_start"] == info["step"]  # an older export: anew
