@@ -127,7 +127,7 @@ eval-asr-panel: asr-voices
 
 # one slice of the streaming ASR's recipe 2 (docs/asr.md); the same line resumes the run
 train-asr: setup text-corpora asr-voices
-	$(PY) -m asr.training.train_streaming --run runs/asr4 --init asr/weights/fc_small.nemo --minutes $${MINUTES:-60} --threads 1 --workers 1
+	$(PY) -m asr.training.train_streaming --run runs/asr5 --init asr/weights/fc_small.nemo --minutes $${MINUTES:-60} --threads 1 --workers 1
 
 # one slice of the FSQ speech codec's training (docs/codec.md); the same line resumes the run
 train-codec: setup text-corpora

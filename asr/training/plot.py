@@ -4,7 +4,8 @@
 
 Reads the lines `python -m asr.training.train_streaming` prints ("step N ctc X align Y phone Z ..." and
 "step N held-out WER {...}"); a resumed run's logs are read in the order given, a later value of a
-step replacing an earlier one (a run killed before its checkpoint repeats those steps).
+step replacing an earlier one (a run killed before its checkpoint repeats those steps). A `run.json`
+among them adds its validation history. `--span 4459:8707:H100` shades the steps trained elsewhere.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ def parse(paths: list[Path]) -> tuple[dict[int, dict[str, float]], dict[int, dic
     losses: dict[int, dict[str, float]] = {}
     wers: dict[int, dict[str, float]] = {}
     for path in paths:
+        if path.suffix == ".json":
+            import json
+
+            for h in json.loads(path.read_text()).get("history", []):
+                got = h.get("panel") or h.get("wer") or {}
+                wers.setdefault(int(h["step"]), {}).update({str(k): float(v) for k, v in got.items()})
+            continue
         for line in path.read_text(errors="replace").splitlines():
             if m := _LOSS.match(line):
                 losses[int(m[1])] = {
@@ -38,7 +46,7 @@ def parse(paths: list[Path]) -> tuple[dict[int, dict[str, float]], dict[int, dic
     return losses, wers
 
 
-def plot(losses: dict, wers: dict, out: Path) -> None:
+def plot(losses: dict, wers: dict, out: Path, spans: tuple[tuple[int, int, str], ...] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,17 +59,23 @@ def plot(losses: dict, wers: dict, out: Path) -> None:
         if pts:
             ax1.plot(*zip(*pts, strict=True), label=f"{key} loss (per utterance)")
     ax1.set_ylabel("loss")
-    ax1.legend()
     ax1.grid(alpha=0.3)
     for ctx in sorted({k for w in wers.values() for k in w}, key=lambda k: (not k.isdigit(), k)):
         pts = [(s, 100 * wers[s][ctx]) for s in sorted(wers) if ctx in wers[s]]
         label = f"held-out WER, lookahead {int(ctx) * 80} ms" if ctx.isdigit() else f"panel {ctx} (480 ms)"
         ax2.plot(*zip(*pts, strict=True), marker="o", label=label)
+    for ax in (ax1, ax2):
+        for a, b, label in spans:
+            ax.axvspan(
+                a, b, color="tab:green", alpha=0.12, label=f"trained on {label}" if ax is ax1 else None
+            )
+    ax1.legend(fontsize=8, loc="upper left")
     ax2.set_ylabel("WER %")
     ax2.set_xlabel("training step (batch 32)")
-    ax2.legend()
+    ax2.legend(fontsize=8, loc="lower left")
     ax2.grid(alpha=0.3)
-    fig.suptitle("streaming FastConformer from scratch on synthesised speech (2-core CPU)")
+    where = "2-core CPU" + "".join(f" + {label}" for _, _, label in spans)
+    fig.suptitle(f"streaming FastConformer from scratch on synthesised speech ({where})")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -71,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("logs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=Path("asr-training.png"))
+    ap.add_argument("--span", action="append", default=[], help="FROM:TO:LABEL, steps trained elsewhere")
     args = ap.parse_args(argv)
     missing = [p for p in args.logs if not p.is_file()]
     if missing:
@@ -78,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     losses, wers = parse(args.logs)
     if not losses:
         ap.error("no 'step N ctc ...' lines in those logs")
-    plot(losses, wers, args.out)
+    try:
+        spans = tuple((int(a), int(b), label) for a, b, label in (x.split(":", 2) for x in args.span))
+    except ValueError:
+        ap.error("--span takes FROM:TO:LABEL, e.g. 4459:8707:H100")
+    plot(losses, wers, args.out, spans)
     print(f"wrote {args.out} ({len(losses)} loss points, {len(wers)} validations)")
     return 0
 

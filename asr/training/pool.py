@@ -169,13 +169,24 @@ class PoolStream(torch.utils.data.IterableDataset):
         schedule: Schedule | None = None,
         workers: int = 1,
         engines: tuple[str, ...] | None = None,
+        example_offset: int = 0,
     ) -> None:
+        """`example_offset`: the stream's first example index, so a run that goes on from another run's
+        export hears examples that run never made (a pure function of (seed, index))."""
         self.seed, self.batch_size, self.tokenizer_model = seed, batch_size, tokenizer_model
+        self.example_offset = example_offset
+        self._key = [example_offset] if example_offset else []  # offset 0: the original streams, unchanged
         self.pool_size, self.epochs, self.workers = pool_size, epochs, max(workers, 1)
         self.start_batch = start_batch // self.workers * self.workers
         self.start_t = start_t - (start_batch - self.start_batch)
         self.schedule = schedule or Schedule()
         self.engines = engines
+
+    def examples_made(self, batches: int) -> int:
+        """An upper bound on the example indices (from 0, offset excluded) a stream has made after
+        `batches` batches: whole pools of every worker, the next pool (made ahead) included."""
+        per_pool = self.epochs * self.batches_per_epoch() * self.workers
+        return (batches // per_pool + 2) * self.shard_pool() * self.workers
 
     # the layout of a shard's stream
     def shard_pool(self) -> int:
@@ -211,7 +222,7 @@ class PoolStream(torch.utils.data.IterableDataset):
             # the word cap of pool k is the schedule's at the pool's first batch, whenever it is made
             t_k = self.start_t + (k * per_pool * self.workers + w - self.start_batch)
             words = self.schedule.max_words(t_k)
-            first = (k * self.workers + w) * n
+            first = self.example_offset + (k * self.workers + w) * n
             return make_clean(synth, table, dictionary, conversational, self.seed, first + q, words)
 
         pool_k, pool, gen_s, order_key, batches = -1, [], 0.0, None, []  # gen_s: synthesis since last batch
@@ -231,7 +242,7 @@ class PoolStream(torch.utils.data.IterableDataset):
             if order_key != (k, epoch):
                 batches = self._epoch_batches(pool, k, w, epoch)
                 order_key = (k, epoch)
-            rng = np.random.default_rng([self.seed, k, w, epoch, b, 3])
+            rng = np.random.default_rng([self.seed, k, w, epoch, b, 3, *self._key])
             batch = build_batch([pool[q] for q in batches[b]], rng, self.schedule.augment_strength(t), sp)
             batch["batch_index"] = i
             batch["pool_gen_s"], gen_s = gen_s, 0.0
@@ -243,7 +254,7 @@ class PoolStream(torch.utils.data.IterableDataset):
             j += 1
 
     def _epoch_batches(self, pool: list[CleanExample], k: int, w: int, epoch: int) -> list[list[int]]:
-        rng = np.random.default_rng([self.seed, k, w, epoch, 4])
+        rng = np.random.default_rng([self.seed, k, w, epoch, 4, *self._key])
         order = rng.permutation(len(pool))
         size, out = self.batch_size, []
         group = size * SORT_GROUP

@@ -233,6 +233,8 @@ def init_run(nemo: Path, run: Path) -> dict:
         recipe=2,
         recipe_start=recipe_start,
         init_from=str(nemo),
+        # fresh examples: past every index the exported run made (0 for an export that does not say)
+        example_offset=int(info.get("examples_next", 0)),
     )
     (run / "run.json").write_text(json.dumps(meta, indent=1))
     torch.save({"model": state, "step": step}, run / "last.pt")
@@ -613,6 +615,7 @@ def train_pool(
         schedule=schedule,
         workers=max(workers, 1),
         engines=_DRY_ENGINES,
+        example_offset=int(meta.get("example_offset", 0)),
     )
     data_batches = stream.start_batch
     loader = torch.utils.data.DataLoader(
@@ -631,6 +634,8 @@ def train_pool(
     ckpt_path, meta_path = run / "last.pt", run / "run.json"
 
     def save() -> None:
+        # where a run that goes on from this one's export starts its stream (init_run)
+        meta["examples_next"] = stream.example_offset + stream.examples_made(data_batches)
         state = {
             "model": model.state_dict(),
             "opt": opt.state_dict(),

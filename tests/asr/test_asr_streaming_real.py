@@ -55,7 +55,9 @@ def stream_question(stage):
     return audio, out, seen_at
 
 
-@pytest.mark.xfail(strict=True, reason="the shipped checkpoint (step 2476) hears 'what is capals' (issue 5)")
+@pytest.mark.xfail(
+    strict=True, reason="the shipped checkpoint (step 8707) hears 'what is the cap of friends' (issue 20)"
+)
 def test_shipped_model_hears_the_capital_of_france(stage):
     _, out, _ = stream_question(stage)
     assert {"capital", "france"} <= words_of(out.text), out.text
@@ -156,17 +158,21 @@ def test_training_goes_on_from_the_shipped_model(tmp_path):
 
 def test_init_from_a_recipe_two_export_keeps_the_recipe_clock(tmp_path):
     """An export of a recipe-2 run records where its recipe started: `--init` from it goes on with the same
-    ramps and rate schedule instead of starting them again (a GPU slice continues the CPU run)."""
+    ramps and rate schedule instead of starting them again (a GPU slice continues the CPU run); an export
+    without that record starts the recipe at its own step."""
     import json
 
-    info = json.loads(SHIPPED.with_suffix(".json").read_text())
-    export = tmp_path / "export" / "fc_small.nemo"
-    export.parent.mkdir()
-    export.symlink_to(SHIPPED.resolve())
-    started = int(info["step"]) - 1983
-    export.with_suffix(".json").write_text(json.dumps({**info, "recipe_start": started}))
     from asr.training.train_streaming import init_run
 
-    meta = init_run(export, tmp_path / "run")
-    assert meta["recipe_start"] == started and meta["restart_step"] == info["step"]
-    assert init_run(SHIPPED, tmp_path / "old")["recipe_start"] == info["step"]  # an older export: anew
+    info = {
+        k: v for k, v in json.loads(SHIPPED.with_suffix(".json").read_text()).items() if k != "recipe_start"
+    }
+    started = int(info["step"]) - 1983
+    for name, extra in (("recipe2", {"recipe_start": started}), ("older", {})):
+        export = tmp_path / name / "fc_small.nemo"
+        export.parent.mkdir()
+        export.symlink_to(SHIPPED.resolve())
+        export.with_suffix(".json").write_text(json.dumps({**info, **extra}))
+        meta = init_run(export, tmp_path / f"run-{name}")
+        assert meta["restart_step"] == info["step"]
+        assert meta["recipe_start"] == (started if extra else info["step"])

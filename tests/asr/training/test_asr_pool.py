@@ -92,6 +92,21 @@ def test_pool_stream_is_deterministic_and_resumes_to_the_batch(tokenizer) -> Non
         assert b["targets"].shape[0] == 2 and (b["target_lengths"] > 0).all()
 
 
+def test_a_run_that_goes_on_from_an_export_hears_new_examples(tokenizer) -> None:
+    """`examples_made` bounds the indices a stream has made; a stream started past it (init_run sets
+    `example_offset` from the export's `examples_next`) makes none of the earlier run's examples."""
+    pytest.importorskip("espeakng_loader")
+    from asr.training.pool import PoolStream
+
+    kw = dict(pool_size=4, epochs=2, engines=("espeak",))
+    first = PoolStream(3, 2, tokenizer, **kw)
+    seen = {t for b in _batches(first, 6) for t in b["texts"]}
+    # 6 batches of 2 from pools of 4 examples heard twice: pools 0-1 used, pool 2 may be made ahead
+    assert first.examples_made(6) == 12  # indices 0-11
+    later = PoolStream(3, 2, tokenizer, example_offset=first.examples_made(6), **kw)
+    assert not seen & {t for b in _batches(later, 4) for t in b["texts"]}
+
+
 def test_encoder_frames_match_the_model() -> None:
     pytest.importorskip("nemo.collections.asr")
     import tempfile
@@ -116,6 +131,25 @@ def test_dry_run_of_the_gpu_path_on_cpu() -> None:
     from asr.training.train_streaming import main
 
     assert main(["--dry-run", "--device", "cpu"]) == 0
+
+
+def test_gpu_carry_script_trims_only_what_asr_training_does_not_read() -> None:
+    """`scripts/gpu_carry_asr.sh trim` drops paths that must exist (else the carry silently stays too big)
+    and none that ASR training reads; without a mode it prints its usage and exits 2."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    script = root / "scripts" / "gpu_carry_asr.sh"
+    text = script.read_text()
+    trimmed = re.search(r"git rm -rq --ignore-unmatch ([^\n]+)\\\n\s+([^\n]+)", text)
+    assert trimmed is not None
+    paths = (trimmed[1] + " " + trimmed[2]).split()
+    assert paths and all((root / p).exists() for p in paths), paths
+    assert not any(p.startswith(("asr", "duplex", "data/asr")) for p in paths)
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert usage.returncode == 2 and "gpu_train_asr.sh" in usage.stdout
 
 
 def test_eval_panel_refuses_unknown_sets() -> None:
