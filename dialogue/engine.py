@@ -64,6 +64,10 @@ class SlowOptions(LlmOptions):
     #: appended to `system_prompt` for the slow model only: the drafter, the turn-taking heads and the
     #: verifier keep the prompt they were trained with (their hidden states depend on it)
     slow_instructions: str = ""
+    #: restate the caller's earlier facts about themselves in the third person on a later question about
+    #: the caller, as the slow model reads it (dialogue/caller_notes.py): "What is my dog called?" was
+    #: answered "You're Max!"
+    caller_notes: bool = True
 
     @property
     def slow_system_prompt(self) -> str:
@@ -329,7 +333,9 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
                     closed[i] = pieces_for(drafter.renderer, _normalized(msgs), answer_prefix="")
             if slow is not None and state.slow is not None and text and step.prefill_slow:
                 # time-sliced prefill of the slow model too, so its answer starts with little left to read
-                slow_target[i] = pieces_for(slow.renderer, step.messages, open_user=step.text.strip())
+                slow_target[i] = pieces_for(
+                    slow.renderer, self._slow_messages(step.messages), open_user=step.text.strip()
+                )
         for state, _ in items:
             self._close_remote(state)
         fed = [0] * n
@@ -580,11 +586,19 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             if state.response_ids
             else state.prefix
         )
-        target = pieces_for(self.slow.renderer, state.messages, answer_prefix=said)
+        target = pieces_for(self.slow.renderer, self._slow_messages(state.messages), answer_prefix=said)
         n = self.slow.sync(state.slow, target)
         state.pending = []
         state.answer_live = True
         return n
+
+    def _slow_messages(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """The history as the slow model reads it: with caller notes when they are on."""
+        if not self.slow_options.caller_notes:
+            return messages
+        from dialogue.caller_notes import with_caller_notes
+
+        return with_caller_notes(messages)
 
     def _slow_decode(self, state: DialogueState, max_tokens: int) -> tuple[str, int]:
         assert self.slow is not None and state.slow is not None

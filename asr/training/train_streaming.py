@@ -558,6 +558,8 @@ def kill_verdict(history: list[dict], start: int, after: int) -> str | None:
     panels = [h for h in history if "panel" in h and h["step"] >= start]
     if not panels or panels[-1]["step"] - start < after:
         return None
+    if panels[0]["step"] - start >= after:
+        return None  # a run that went on from an export past the judgement (init_run): judged before
     first, last = panels[0]["panel"], panels[-1]["panel"]
     drop_train = first["train-voices"] - last["train-voices"]
     drop_plain = first["heldout-synthetic"] - last["heldout-synthetic"]

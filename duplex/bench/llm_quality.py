@@ -235,6 +235,18 @@ def run_profile(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
         res["memory"] = eval_memory(stage, progress)
         res["memory_heldout"] = eval_memory(stage, progress, MEMORY_HELDOUT)
+        if args.notes_ab and getattr(stage, "slow_options", None) is not None:
+            import dataclasses
+
+            # the same loaded model with the caller notes flipped (dialogue/caller_notes.py), same run
+            kept = stage.slow_options
+            stage.slow_options = dataclasses.replace(kept, caller_notes=not kept.caller_notes)
+            flipped = "on" if stage.slow_options.caller_notes else "off"
+            try:
+                res[f"memory_notes_{flipped}"] = eval_memory(stage, progress)
+                res[f"memory_heldout_notes_{flipped}"] = eval_memory(stage, progress, MEMORY_HELDOUT)
+            finally:
+                stage.slow_options = kept
     res["speed"] = [eval_speed(stage, t, args.repeats) for t in args.threads]
     res["rss_end_gib"] = _proc_status()
     res["load_after"] = _load()
@@ -264,6 +276,14 @@ def summary_table(results: Sequence[dict[str, Any]]) -> str:
         "held-out memory cases correct",
         lambda r: f"{r['memory_heldout']['correct']}/{r['memory_heldout']['n']}",
     )
+    for flipped in ("off", "on"):
+        if any(f"memory_notes_{flipped}" in r for r in results):
+            row(
+                f"memory / held-out memory cases, caller notes {flipped} (same run)",
+                lambda r, f=flipped: (
+                    f"{r[f'memory_notes_{f}']['correct']} / {r[f'memory_heldout_notes_{f}']['correct']}"
+                ),
+            )
     threads = sorted({s["threads"] for r in results for s in r.get("speed", [])})
     for t in threads:
 
@@ -299,7 +319,7 @@ def _child_args(args: argparse.Namespace, profile: str, out: Path) -> list[str]:
     argv = [sys.executable, "-m", "duplex.bench.llm_quality", "--one", profile, "--json", str(out)]
     argv += ["--facts", str(args.facts), "--repeats", str(args.repeats)]
     argv += ["--threads", ",".join(str(t) for t in args.threads)]
-    for flag in ("no_memory", "no_drafter", "no_progress"):
+    for flag in ("no_memory", "no_drafter", "no_progress", "notes_ab"):
         if getattr(args, flag):
             argv.append("--" + flag.replace("_", "-"))
     return argv
@@ -317,6 +337,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="passes over the first-token prompts")
     ap.add_argument(
         "--no-drafter", action="store_true", help="load the slow model alone (RSS without the drafter)"
+    )
+    ap.add_argument(
+        "--notes-ab",
+        action="store_true",
+        help="also score the memory cases with the profile's caller_notes flipped, same loaded model",
     )
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child process: one profile

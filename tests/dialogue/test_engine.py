@@ -521,3 +521,25 @@ def test_slow_instructions_reach_the_slow_model_only(tokenizer):
     assert SlowOptions.from_mapping({"system_prompt": SYSTEM, "slow_instructions": extra}) == opts.__class__(
         system_prompt=SYSTEM, slow_instructions=extra
     )
+
+
+@pytest.mark.parametrize("notes", [True, False])
+def test_caller_notes_reach_the_slow_model_as_it_reads_the_question(tokenizer, notes):
+    """With `caller_notes` on, the slow model's cache holds the question about the caller with the
+    caller's earlier fact restated (dialogue/caller_notes.py); off, the question as said."""
+    from dialogue.caller_notes import note_for
+
+    slow = tiny("qwen2", len(tokenizer), 4)
+    opts = SlowOptions(system_prompt=SYSTEM, max_new_tokens=6, caller_notes=notes)
+    stage = DialogueStage(slow, tokenizer, opts, None, None, DrafterOptions(), None, None, None)
+    history = [
+        {"role": "user", "content": "My dog is called Max."},
+        {"role": "assistant", "content": "What a nice name."},
+    ]
+    question = "What is my dog called?"
+    state = stage.init_state()
+    _, state = stage.step(state, ListenStep(history, question))
+    out, state = stage.step(state, RespondStep([*history, {"role": "user", "content": question}], 4))
+    users = [p.key[1] for p in state.slow.pieces if p.key[0] == "user"]
+    said = question + note_for(["their dog is called Max"]) if notes else question
+    assert users == ["My dog is called Max.", said]

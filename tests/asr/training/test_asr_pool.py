@@ -38,6 +38,8 @@ def test_kill_criterion() -> None:
     assert kill_verdict(history, 2476, 6000) is None  # too early to judge
     assert "kill criterion met" in kill_verdict([*history, panel(8500, 0.70, 0.70)], 2476, 6000)
     assert kill_verdict([*history, panel(8500, 0.60, 0.70)], 2476, 6000) is None
+    # a run --init from an export past the judgement starts its history there: nothing to compare with
+    assert kill_verdict([panel(8707, 0.66, 0.59), panel(8800, 0.64, 0.63)], 2476, 6000) is None
 
 
 def test_average_checkpoints(tmp_path) -> None:

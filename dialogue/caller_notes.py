@@ -1,0 +1,104 @@
+"""What the caller said about themselves, restated for the slow model when they ask it back.
+
+Small chat models mix up whose fact is whose: after "My dog is called Max." the question "What is my
+dog called?" comes back as "My dog is called Max." or "You're Max!". Rewriting the caller's first-person
+statements in the third person ("their dog is called Max") and adding them to a later question about the
+caller removes the pronoun the model trips over. The note is appended to that user message as the slow
+model reads it, computed only from the messages before it, so a conversation always renders the same way
+(the KV cache is never rolled back for it) and a note costs its ~20 tokens once.
+
+Pure text: no model, no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+# first-person statements -> third person ("their ...", "they ..."); the object is cut at the first
+# clause break, and a statement that is a question is not a fact
+_WORD = r"[a-z][a-z'-]*"
+_OBJ = r"([^.,;!?]+?)"
+_END = r"(?=\s*(?:[.,;!?]|\band\b|\bbut\b|$))"
+_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(p, re.IGNORECASE), t)
+    for p, t in (
+        (rf"\bmy name(?:'s| is) {_OBJ}{_END}", "their name is {0}"),
+        (rf"\b(?:i am|i'm) called {_OBJ}{_END}", "their name is {0}"),
+        (rf"\bcall me {_OBJ}{_END}", "their name is {0}"),
+        (rf"\bmy ({_WORD}(?: {_WORD})?) (?:is|are) (called|named) {_OBJ}{_END}", "their {0} is {1} {2}"),
+        (rf"\bmy ({_WORD}(?: {_WORD})?)(?:'s| is| are) (?!called\b|named\b){_OBJ}{_END}", "their {0} is {1}"),
+        (rf"\bmy ({_WORD}) ((?!is\b|was\b){_WORD}s) {_OBJ}{_END}", "their {0} {1} {2}"),
+        (rf"\bi was born (in|on|at) {_OBJ}{_END}", "they were born {0} {1}"),
+        (rf"\bi live in {_OBJ}{_END}", "they live in {0}"),
+        (rf"\b(?:i am|i'm|i come) from {_OBJ}{_END}", "they are from {0}"),
+        (rf"\bi work (as|at|for|in) {_OBJ}{_END}", "they work {0} {1}"),
+        (rf"\b(?:i am|i'm) (an? {_WORD}(?: {_WORD})?){_END}", "they are {0}"),
+        (rf"\b(?:i am|i'm) (\d+|{_WORD}) years old{_END}", "they are {0} years old"),
+        (rf"\bi have {_OBJ}{_END}", "they have {0}"),
+        (rf"\bi (like|love|hate|play|speak|drive|study) {_OBJ}{_END}", "they {0} {1}"),
+    )
+)
+# "I'm Tom": a capitalised word after "I am" is a name (case-sensitive, unlike the patterns above)
+_NAME = re.compile(r"\b(?:I am|I'm) ([A-Z][a-z]+)(?=\s*(?:[.,;!?]|\band\b|$))")
+_PRONOUNS = {"my": "their", "me": "them", "i": "they", "mine": "theirs", "myself": "themselves"}
+_ABOUT_CALLER = re.compile(r"\b(?:my|mine|me|i|i'm|am i|do i|did i|have i)\b", re.IGNORECASE)
+#: at most this many facts in a note (the newest), so a long call does not grow every question
+MAX_FACTS = 6
+
+
+def caller_facts(text: str) -> list[str]:
+    """The caller's statements about themselves in `text`, in the third person ("their dog is called
+    Max", "they live in Boston"); none for a question."""
+    out: list[str] = []
+    for sentence in re.split(r"(?<=[.!?])\s+", text.strip()):
+        if sentence.rstrip().endswith("?"):
+            continue
+        taken: list[tuple[int, int]] = []
+        for pattern, template in _PATTERNS:
+            for m in pattern.finditer(sentence):
+                if any(a < m.end() and m.start() < b for a, b in taken):
+                    continue  # one fact per stretch of words: the first (most specific) pattern wins
+                groups = [_third_person(g.strip()) for g in m.groups()]
+                if not all(groups):
+                    continue
+                taken.append(m.span())
+                fact = template.format(*groups)
+                if fact not in out:
+                    out.append(fact)
+        for m in _NAME.finditer(sentence):
+            if not any(a < m.end() and m.start() < b for a, b in taken):
+                out.append(f"their name is {m[1]}")
+    return out
+
+
+def _third_person(words: str) -> str:
+    return re.sub(r"\b(my|me|i|mine|myself)\b", lambda m: _PRONOUNS[m[1].lower()], words, flags=re.IGNORECASE)
+
+
+def asks_about_caller(text: str) -> bool:
+    """A question that mentions the caller ("What is my name?", "Where do I live?")."""
+    return text.rstrip().endswith("?") and bool(_ABOUT_CALLER.search(text))
+
+
+def note_for(facts: Sequence[str]) -> str:
+    return f" (The caller told you earlier: {'; '.join(facts[-MAX_FACTS:])}. Answer them with 'your'.)"
+
+
+def with_caller_notes(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    """`messages` with a note of the caller's earlier facts appended to each user question about the
+    caller; the rest unchanged. A message's note depends only on the messages before it."""
+    facts: list[str] = []
+    out: list[dict[str, str]] = []
+    for m in messages:
+        msg = dict(m)
+        if msg.get("role") == "user" and isinstance(msg.get("content"), str):
+            text = msg["content"]
+            if facts and asks_about_caller(text):
+                msg["content"] = text.rstrip() + note_for(facts)
+            for fact in caller_facts(text):
+                if fact in facts:
+                    facts.remove(fact)
+                facts.append(fact)
+        out.append(msg)
+    return out

@@ -1,0 +1,74 @@
+"""Caller notes (dialogue/caller_notes.py): the caller's facts about themselves, restated in the third
+person on a later question about the caller, as the slow model reads the history."""
+
+from __future__ import annotations
+
+import pytest
+
+from dialogue.caller_notes import MAX_FACTS, asks_about_caller, caller_facts, note_for, with_caller_notes
+
+
+@pytest.mark.parametrize(
+    ("said", "facts"),
+    [
+        ("My name is Anna.", ["their name is Anna"]),
+        ("Hi, I'm Tom and I live in Paris.", ["they live in Paris", "their name is Tom"]),
+        ("My dog is called Max.", ["their dog is called Max"]),
+        ("My favourite colour is green.", ["their favourite colour is green"]),
+        ("I work as a nurse.", ["they work as a nurse"]),
+        ("I was born in March.", ["they were born in March"]),
+        ("My daughter plays the violin.", ["their daughter plays the violin"]),
+        ("I have a question about my order.", ["they have a question about their order"]),
+        ("I am fine, thanks.", []),  # no article, no capitalised name: not a fact
+        ("What is my name?", []),  # a question is not a fact
+    ],
+)
+def test_first_person_facts_are_restated_in_the_third_person(said, facts):
+    assert caller_facts(said) == facts
+
+
+def test_a_question_about_the_caller_gets_the_earlier_facts_appended():
+    history = [
+        {"role": "user", "content": "My sister is called Clara."},
+        {"role": "assistant", "content": "That's a lovely name."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "What is my sister called?"},
+    ]
+    out = with_caller_notes(history)
+    assert out[:4] == history[:4]  # statements, answers and other questions are unchanged
+    assert out[4]["content"] == "What is my sister called?" + note_for(["their sister is called Clara"])
+    assert "their sister is called Clara" in out[4]["content"] and "'your'" in out[4]["content"]
+    assert history[4]["content"] == "What is my sister called?"  # the caller's history is not touched
+
+
+def test_a_note_depends_only_on_earlier_messages_so_the_cache_never_rolls_back():
+    history = [
+        {"role": "user", "content": "I live in Boston."},
+        {"role": "assistant", "content": "Nice."},
+        {"role": "user", "content": "Where do I live?"},
+    ]
+    before = with_caller_notes(history)
+    later = with_caller_notes(
+        [
+            *history,
+            {"role": "assistant", "content": "Boston."},
+            {"role": "user", "content": "My name is Ann."},
+        ]
+    )
+    assert later[:3] == before  # what came after a message never changes how it renders
+    assert with_caller_notes(history[2:]) == history[2:]  # no earlier facts: no note
+
+
+def test_notes_keep_the_newest_facts_once_each():
+    pets = ["dog", "cat", "fish", "bird", "horse", "goat", "frog", "snake"][: MAX_FACTS + 2]
+    msgs = [{"role": "user", "content": f"My {pet} is called Rex."} for pet in pets]
+    msgs += [
+        {"role": "user", "content": "My dog is called Rex."},
+        {"role": "user", "content": "Do I have pets?"},
+    ]
+    note = with_caller_notes(msgs)[-1]["content"]
+    assert note.count("their dog is called Rex") == 1  # said again: moved to the newest, not doubled
+    assert "their cat" not in note and "their fish" not in note  # the oldest fell out of the note
+    assert note.endswith("their dog is called Rex. Answer them with 'your'.)")
+    assert asks_about_caller("Do I have pets?") and not asks_about_caller("Is it raining?")
