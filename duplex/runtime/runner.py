@@ -88,7 +88,8 @@ class SessionRunner:
         # job holds the future (a reference cycle that kept every finished job's states, KV caches and
         # logits alive until a full collection: the soak's ~40 MB a minute, docs/results/2026-11-26.md)
         self._inflight: dict[Future[tuple[Any, Any]], Job] = {}
-        self._closed = False
+        self._closed = False  # no more feeding, ticking or sending (the writer or a full queue may set it)
+        self._shut = False  # close() ran: the tasks are cancelled and dropped
         self.failed: BaseException | None = None
         self.limits = limits
         self._terminate = terminate
@@ -158,11 +159,16 @@ class SessionRunner:
         self._enqueue(event)
 
     async def close(self) -> None:
-        """Stop ticking and sending; results still in flight are discarded by the core."""
-        if self._closed:
+        """Stop ticking and sending; results still in flight are discarded by the core. Cancels the
+        runner's tasks even when the session had already stopped itself (a send failed, the server ended
+        it, the client stopped reading): those set `_closed` first, and the ticker and the guard would
+        otherwise sleep on, holding the session, until the event loop closes."""
+        if self._shut:
             return
-        self._closed = True
-        self.core.close()
+        self._shut = True
+        if not self._closed:
+            self._closed = True
+            self.core.close()
         self._inflight.clear()
         for task in self._tasks:
             task.cancel()

@@ -79,3 +79,38 @@ def test_gc_pauses_are_reported_and_freeze_keeps_objects_alive() -> None:
         assert gc.get_freeze_count() >= 1 and kept
     finally:
         gc.unfreeze()
+
+
+async def test_a_session_whose_transport_failed_stops_all_its_tasks_on_close() -> None:
+    """A send that fails (the caller hung up mid-answer) stops the runner from inside; closing it must
+    still cancel its ticker and its idle/duration guard, which would otherwise sleep on with the session
+    (the guard for up to `idle_timeout_s`) and be destroyed pending when the loop closes."""
+    import asyncio
+
+    from duplex.core.events import ErrorEvent
+    from duplex.transports.common import open_session
+
+    service = DuplexService(
+        load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=2)
+    )
+
+    async def hung_up(_item: object) -> None:
+        raise ConnectionResetError("the caller hung up")
+
+    try:
+        async with open_session(service, hung_up) as runner:
+            core = runner.core
+            await asyncio.sleep(0.05)  # the tasks are running: the guard sleeps until the idle timeout
+            runner.emit(ErrorEvent(session_id=core.session_id, turn_id=0, t=0.0, code="probe", message="x"))
+            for _ in range(50):
+                if runner.failed is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert isinstance(runner.failed, ConnectionResetError)
+            tasks = list(runner._tasks)
+            assert {t.get_name().split("-")[0] for t in tasks} >= {"ticker", "guard"}
+        assert all(t.done() for t in tasks)
+        mine = {t for t in asyncio.all_tasks() if t.get_name().endswith(runner.core.session_id)}
+        assert not mine
+    finally:
+        service.close()
