@@ -349,6 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--sample-every", type=float, default=30.0, help="with --soak: seconds between the server's samples"
     )
     b.add_argument(
+        "--hangups",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --soak: N more callers who ask a question and drop the connection (no close) at the "
+        "answer's first audio, again and again",
+    )
+    b.add_argument(
         "--compare-relay",
         action="store_true",
         help="the same conversation three times on one server: relay off, checked exactly by the slow "

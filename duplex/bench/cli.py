@@ -348,6 +348,7 @@ def _bench_load(args: argparse.Namespace) -> int:
                     args.out,
                     sample_every_s=float(args.sample_every),
                     server_probe=probe,
+                    hangups=int(getattr(args, "hangups", 0) or 0),
                     **common,
                 )
             )

@@ -289,6 +289,50 @@ async def _call(
     return CallerResult(k, run=run)
 
 
+async def hang_up_call(url: str, speech: np.ndarray, *, answer_within_s: float = 20.0) -> dict[str, Any]:
+    """One caller who asks a question and hangs up as soon as the answer's first audio arrives: the TCP
+    connection is aborted (no WebSocket close), as a dropped phone line or a killed browser tab does, so
+    the server finds out from a failed send or a dead read. Returns {"reached_audio": bool, "error": str}."""
+    import json
+
+    from websockets.asyncio.client import connect
+
+    from duplex.bench.common import FRAME_SAMPLES, FRAME_SECONDS, SR, float_to_pcm16
+
+    loop = asyncio.get_running_loop()
+    try:
+        ws = await connect(url, max_size=2**20, compression=None, open_timeout=10)
+    except Exception as exc:  # refused (503 at capacity) or nothing listening
+        return {"reached_audio": False, "error": f"connect: {exc}"}
+    heard = asyncio.Event()
+
+    async def listen() -> None:
+        async for msg in ws:
+            if isinstance(msg, bytes):
+                heard.set()
+                return
+
+    reader = asyncio.create_task(listen(), name="hangup-rx")
+    try:
+        await ws.send(json.dumps({"type": "session.start", "sample_rate": SR}))
+        audio = np.concatenate([speech, np.zeros(int(answer_within_s * SR), np.float32)])
+        start = loop.time()
+        for i, k in enumerate(range(0, audio.size, FRAME_SAMPLES)):
+            if heard.is_set() or reader.done():
+                break
+            await ws.send(float_to_pcm16(audio[k : k + FRAME_SAMPLES]))
+            await asyncio.sleep(max(0.0, start + (i + 1) * FRAME_SECONDS - loop.time()))  # like a microphone
+        reached = heard.is_set()
+        return {"reached_audio": reached, "error": "" if reached else "no answer audio"}
+    except Exception as exc:
+        return {"reached_audio": False, "error": str(exc)}
+    finally:
+        ws.transport.abort()  # hang up: no close handshake
+        reader.cancel()
+        with contextlib.suppress(BaseException):
+            await reader
+
+
 def level_record(
     n: int,
     results: Sequence[CallerResult],
@@ -483,9 +527,12 @@ async def run_soak(
     server_probe: ServerProbe | None = None,
     progress: Progress | None = print,
     plot: bool = True,
+    hangups: int = 0,
 ) -> dict[str, Any]:
     """`n` callers run sessions back to back for `duration_s`; the server sampled every
-    `sample_every_s` (and once more idle, after the callers left). Writes soak.json and soak.png."""
+    `sample_every_s` (and once more idle, after the callers left). `hangups` more callers each ask a
+    question and hang up at the answer's first audio, again and again (`hang_up_call`): a session whose
+    transport died must leave nothing behind either. Writes soak.json and soak.png."""
     from duplex.bench.load_report import write_soak_outputs
 
     say = progress or (lambda _msg: None)
@@ -540,9 +587,24 @@ async def run_soak(
             if r.run is None:  # refused or failed: try again a little later, as a caller would
                 await asyncio.sleep(min(2.0, max(0.0, deadline - loop.time())))
 
+    hung: list[dict[str, Any]] = []
+
+    async def hanger(k: int) -> None:
+        await asyncio.sleep((n + k) * stagger_s)
+        asked = [t for t in callers.speech if t in set(questions)] or list(callers.speech)
+        question = callers.speech[asked[k % len(asked)]]
+        while loop.time() < deadline - 2.0:
+            hung.append(await hang_up_call(url, question))
+            await asyncio.sleep(0.5)
+
     samples = [await sample("idle")]
-    say(f"soak: {n} caller(s) for {duration_s:g} s, sampling every {sample_every_s:g} s")
+    say(
+        f"soak: {n} caller(s)"
+        + (f" and {hangups} hanging up at each answer's first audio" if hangups else "")
+        + f" for {duration_s:g} s, sampling every {sample_every_s:g} s"
+    )
     tasks = [asyncio.create_task(caller(k), name=f"soak-caller-{k}") for k in range(n)]
+    tasks += [asyncio.create_task(hanger(k), name=f"soak-hangup-{k}") for k in range(hangups)]
     try:
         while loop.time() < deadline:
             await asyncio.sleep(min(sample_every_s, max(0.0, deadline - loop.time())))
@@ -578,8 +640,14 @@ async def run_soak(
             "barge_ins": barge_ins,
             "stagger_s": stagger_s,
             "session_options": session_options or {},
+            "hangup_callers": hangups,
         }
     )
+    result["totals"]["hangups"] = {
+        "calls": len(hung),
+        "at_first_audio": sum(1 for h in hung if h["reached_audio"]),
+        "errors": sorted({h["error"] for h in hung if h["error"]})[:5],
+    }
     if out_dir is not None:
         await asyncio.to_thread(write_soak_outputs, result, out_dir, plot)
     return result

@@ -181,4 +181,10 @@ def format_soak_table(result: dict[str, Any]) -> str:
         f"threads grew: {v['threads_grew']} {v['threads_idle']}; server tasks grew: {v['server_tasks_grew']} "
         f"{v['server_tasks_idle']}; client tasks grew: {v['client_tasks_grew']}"
     )
+    h = t.get("hangups")
+    if h and h["calls"]:
+        lines.append(
+            f"hang-ups: {h['calls']} calls dropped, {h['at_first_audio']} at the answer's first audio"
+            + (f" (others: {'; '.join(h['errors'])})" if h["errors"] else "")
+        )
     return "\n".join(lines)

@@ -181,6 +181,39 @@ async def test_a_caller_refused_at_capacity_is_counted(tmp_path) -> None:
     assert "sessions" in level["targets_missed"]
 
 
+async def test_soak_with_callers_who_hang_up_leaves_no_task_behind(tmp_path) -> None:
+    """`--hangups`: callers who drop the connection (no close handshake) at the answer's first audio,
+    while a regular caller talks; the server's task count is back to idle after them."""
+    service = DuplexService(load_profile("cpu"), fake_stages(scripted_answer))
+    server = InProcessServer(service)
+    url = server.start()
+    try:
+        result = await run_soak(
+            url,
+            1,
+            6.0,
+            turns=1,
+            barge_ins=0,
+            synth=tone_prompt,
+            out_dir=tmp_path,
+            sample_every_s=2.0,
+            stagger_s=0.2,
+            settle_s=0.5,
+            server_probe=lambda: {"server_tasks": server.task_count()},
+            progress=None,
+            hangups=1,
+            **PROMPTS,
+        )
+    finally:
+        server.stop()
+        service.close()
+    h = result["totals"]["hangups"]
+    assert h["calls"] >= 2 and h["at_first_audio"] == h["calls"], h
+    assert result["verdict"]["server_tasks_grew"] is False
+    assert result["samples"][-1]["sessions"] == 0
+    assert "hang-ups:" in format_soak_table(result)
+
+
 async def test_soak_samples_the_server_and_writes_its_outputs(tmp_path) -> None:
     service = DuplexService(load_profile("cpu"), fake_stages(scripted_answer))
     server = InProcessServer(service)
