@@ -196,6 +196,28 @@ class DeviceExecutor:
         """Submit from asyncio and await the result without blocking the event loop."""
         return await asyncio.wrap_future(self.submit(job))
 
+    def cancel_session(self, session_id: str) -> int:
+        """Drop a closed session's queued jobs (their futures are cancelled) and forget it as a batch
+        partner to wait for; how many jobs were dropped. Jobs already running finish (their results
+        are ignored by the closed session). Without this a hung-up caller's jobs still ran, and held
+        its dialogue state, behind every live session's."""
+        dropped: list[Job] = []
+        with self._cv:
+            for lane in self._lanes.values():
+                keep = [entry for entry in lane.heap if entry[2].session_id != session_id]
+                if len(keep) != len(lane.heap):
+                    dropped += [entry[2] for entry in lane.heap if entry[2].session_id == session_id]
+                    heapq.heapify(keep)
+                    lane.heap[:] = keep
+            for recent in self._recent.values():
+                recent.pop(session_id, None)
+            for job in dropped:
+                self._solo.discard(id(job))
+            self._cv.notify_all()
+        for job in dropped:
+            job.future.cancel()
+        return len(dropped)
+
     def queue_depth(self) -> dict[str, int]:
         with self._cv:
             return {name: len(lane.heap) for name, lane in self._lanes.items()}

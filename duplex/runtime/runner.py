@@ -63,6 +63,15 @@ class _Terminate:
 SESSION_FAILED = "session_failed"
 
 
+def _detached(exc: BaseException) -> BaseException:
+    """`exc` without its traceback and chained exceptions: kept on the runner, a traceback's frames (the
+    writer's, whose `self` is the runner) would make a cycle that holds the whole session until a full
+    garbage collection, minutes apart with the models loaded."""
+    exc.__traceback__ = None
+    exc.__context__ = exc.__cause__ = None
+    return exc
+
+
 class SessionRunner:
     """Drives one session core; `send` is awaited for every event and audio frame, in order."""
 
@@ -169,6 +178,9 @@ class SessionRunner:
         if not self._closed:
             self._closed = True
             self.core.close()
+        cancel = getattr(self.executor, "cancel_session", None)  # test doubles may lack it
+        if cancel is not None:
+            cancel(self.core.session_id)
         self._inflight.clear()
         for task in self._tasks:
             task.cancel()
@@ -307,7 +319,7 @@ class SessionRunner:
                 await self._send(item)
             except Exception as exc:  # the transport went away: stop quietly
                 log.info("session %s: send failed: %s", self.core.session_id, exc)
-                self.failed = exc
+                self.failed = _detached(exc)
                 self._closed = True
                 self.core.close()
                 return

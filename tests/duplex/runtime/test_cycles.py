@@ -6,6 +6,7 @@ dialogue state: KV caches, logits) stayed alive that long: the soak's ~40 MB a m
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from collections.abc import Iterator
 
@@ -81,7 +82,9 @@ def test_gc_pauses_are_reported_and_freeze_keeps_objects_alive() -> None:
         gc.unfreeze()
 
 
-async def test_a_session_whose_transport_failed_stops_all_its_tasks_on_close() -> None:
+async def test_a_session_whose_transport_failed_stops_all_its_tasks_on_close(
+    no_cycle_collector: None,
+) -> None:
     """A send that fails (the caller hung up mid-answer) stops the runner from inside; closing it must
     still cancel its ticker and its idle/duration guard, which would otherwise sleep on with the session
     (the guard for up to `idle_timeout_s`) and be destroyed pending when the loop closes."""
@@ -90,6 +93,7 @@ async def test_a_session_whose_transport_failed_stops_all_its_tasks_on_close() -
     from duplex.core.events import ErrorEvent
     from duplex.transports.common import open_session
 
+    before = count(SessionRunner)
     service = DuplexService(
         load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=2)
     )
@@ -112,5 +116,39 @@ async def test_a_session_whose_transport_failed_stops_all_its_tasks_on_close() -
         assert all(t.done() for t in tasks)
         mine = {t for t in asyncio.all_tasks() if t.get_name().endswith(runner.core.session_id)}
         assert not mine
+        # the send's exception is kept (runner.failed) without its traceback, whose writer frame held the
+        # runner: a cycle that kept each hung-up session's memory until a full collection (~100 MB a
+        # minute in the soak with --hangups)
+        assert runner.failed.__traceback__ is None
+        del runner, tasks, mine
     finally:
         service.close()
+    assert count(SessionRunner) == before
+
+
+async def test_a_caller_who_hangs_up_is_freed_without_the_cycle_collector(no_cycle_collector: None) -> None:
+    """A caller who drops the line mid-answer (no close handshake): the session's runner, core and jobs
+    are freed by reference counting, as a caller who says goodbye is. (Here the server's reader sees the
+    dead connection first; the failed-send path is the test above.)"""
+    from duplex.bench.cli import tone_prompt
+    from duplex.bench.load import hang_up_call
+
+    before = {kind: count(kind) for kind in (Job, SessionCore, SessionRunner)}
+    service = DuplexService(
+        load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=2)
+    )
+    srv = DuplexServer(service, ServerSettings(host="127.0.0.1", port=0))
+    await srv.start()
+    try:
+        for _ in range(3):
+            got = await hang_up_call(f"ws://127.0.0.1:{srv.port}/v1/duplex", tone_prompt(QUESTION))
+            assert got["reached_audio"], got
+        for _ in range(100):  # the server notices the dead connection on its own time
+            if not service.sessions:
+                break
+            await asyncio.sleep(0.02)
+        assert not service.sessions
+    finally:
+        await srv.close()
+        service.close()
+    assert {kind: count(kind) - n for kind, n in before.items()} == {Job: 0, SessionCore: 0, SessionRunner: 0}

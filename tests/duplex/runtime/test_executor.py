@@ -134,3 +134,25 @@ def test_closed_executor_refuses_and_fails_pending():
     ex.close()
     with pytest.raises(RuntimeError, match="closed"):
         ex.submit(job("llm", "s1", "x", 0))
+
+
+def test_cancel_session_drops_its_queued_jobs_and_leaves_the_others() -> None:
+    """A closed session's queued jobs are dropped (futures cancelled) and others' run: a hung-up
+    caller's work neither runs nor holds its state behind the live sessions'."""
+    gate = threading.Event()
+    stage = Recorder("s", gate=gate)
+    ex = DeviceExecutor(bulk_workers=1, realtime_stages=())
+    ex.register(stage)
+    try:
+        first = ex.submit(job("s", "a", "x", 1.0))  # holds the only worker until the gate opens
+        time.sleep(0.05)
+        dead = [ex.submit(job("s", "dead", f"d{k}", 2.0 + k)) for k in range(3)]
+        alive = ex.submit(job("s", "b", "y", 9.0))
+        assert ex.cancel_session("dead") == 3 and ex.cancel_session("dead") == 0
+        gate.set()
+        assert first.result(5)[0] == "X" and alive.result(5)[0] == "Y"
+        assert all(f.cancelled() for f in dead)
+        assert not any(c.startswith("d") for call in stage.calls for c in call)  # they never ran
+    finally:
+        gate.set()
+        ex.close()
