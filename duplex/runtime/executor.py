@@ -383,39 +383,48 @@ class DeviceExecutor:
         assert self._timeout is not None
         period = min(0.05, self._timeout / 4)
         while True:
-            hung: list[tuple[str, list[Job]]] = []
             with self._cv:
                 if self._closed:
                     return
-                now = time.monotonic()
-                for token, (started, batch) in self._running.items():
-                    if token not in self._abandoned and now - started > self._timeout:
-                        self._abandoned.add(token)
-                        lane = "realtime" if batch[0].stage in self._realtime else "bulk"
-                        self._replace(lane, "hang")
-                        if len(batch) > 1:
-                            # which job hangs is unknown: run each alone; only the culprit hangs again
-                            log.warning(
-                                "a batch of %d %s jobs hung; re-running them one by one",
-                                len(batch),
-                                batch[0].stage,
-                            )
-                            for job in batch:
-                                self._solo.add(id(job))
-                                heapq.heappush(self._lanes[lane].heap, (job.deadline, next(self._seq), job))
-                            self._cv.notify_all()
-                        else:
-                            self._solo.discard(id(batch[0]))
-                            hung.append((lane, batch))
+                hung = self._hung_batches()
                 self._cv.wait(period)
-            for _, batch in hung:
-                log.error(
-                    "stage %s hung for over %.1f s on a batch of %d",
-                    batch[0].stage,
-                    self._timeout,
-                    len(batch),
-                )
-                self._fail(batch, StageTimeout(f"{batch[0].stage} took longer than {self._timeout:g} s"))
+            self._fail_hung(hung)
+            # nothing of a batch may stay bound in this frame while it waits: a finished batch's jobs
+            # hold their results (a session's dialogue state) and their futures the session's runner
+            del hung
+
+    def _hung_batches(self) -> list[tuple[str, list[Job]]]:
+        """(lock held) Batches running past the timeout: replace their worker; a batch of several is
+        re-queued job by job (only the culprit hangs again), a single job is returned to fail."""
+        assert self._timeout is not None
+        hung: list[tuple[str, list[Job]]] = []
+        now = time.monotonic()
+        for token, (started, batch) in self._running.items():
+            if token not in self._abandoned and now - started > self._timeout:
+                self._abandoned.add(token)
+                lane = "realtime" if batch[0].stage in self._realtime else "bulk"
+                self._replace(lane, "hang")
+                if len(batch) > 1:
+                    # which job hangs is unknown: run each alone; only the culprit hangs again
+                    log.warning(
+                        "a batch of %d %s jobs hung; re-running them one by one", len(batch), batch[0].stage
+                    )
+                    for job in batch:
+                        self._solo.add(id(job))
+                        heapq.heappush(self._lanes[lane].heap, (job.deadline, next(self._seq), job))
+                    self._cv.notify_all()
+                else:
+                    self._solo.discard(id(batch[0]))
+                    hung.append((lane, batch))
+        return hung
+
+    def _fail_hung(self, hung: list[tuple[str, list[Job]]]) -> None:
+        assert self._timeout is not None
+        for _, batch in hung:
+            log.error(
+                "stage %s hung for over %.1f s on a batch of %d", batch[0].stage, self._timeout, len(batch)
+            )
+            self._fail(batch, StageTimeout(f"{batch[0].stage} took longer than {self._timeout:g} s"))
 
     def _fail(self, jobs: list[Job], error: BaseException) -> None:
         for job in jobs:

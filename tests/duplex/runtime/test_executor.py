@@ -156,3 +156,38 @@ def test_cancel_session_drops_its_queued_jobs_and_leaves_the_others() -> None:
     finally:
         gate.set()
         ex.close()
+
+
+def test_a_finished_batch_is_not_kept_alive_by_the_watchdog() -> None:
+    """The watchdog looks at the running batches every 50 ms; its frame must not keep the last one it
+    saw (with the jobs' results: a session's dialogue state and, through the futures' callbacks, its
+    runner) once the batch is done. It did, which kept a hung-up session's KV caches alive."""
+    import gc
+    import weakref
+
+    class Heavy:
+        pass
+
+    class Holder:
+        kind = "hold"
+
+        def init_state(self):
+            return None
+
+        def step_batch(self, items):
+            time.sleep(0.15)  # running long enough for the watchdog to look at it
+            return [(chunk, Heavy()) for _, chunk in items]
+
+    ex = DeviceExecutor(bulk_workers=1, realtime_stages=(), stage_timeout_s=5.0)
+    ex.register(Holder())
+    gc.disable()
+    try:
+        fut = ex.submit(job("hold", "gone", "x", 1.0))
+        state = weakref.ref(fut.result(5)[1])
+        done = weakref.ref(fut)
+        del fut
+        time.sleep(0.2)  # a few watchdog passes with nothing running
+        assert done() is None and state() is None
+    finally:
+        gc.enable()
+        ex.close()
