@@ -181,32 +181,34 @@ async def test_a_caller_refused_at_capacity_is_counted(tmp_path) -> None:
     assert "sessions" in level["targets_missed"]
 
 
-async def test_soak_with_callers_who_hang_up_leaves_no_task_behind(tmp_path) -> None:
-    """`--hangups`: callers who drop the connection (no close handshake) at the answer's first audio,
-    while a regular caller talks; the server's task count is back to idle after them."""
+async def _soak_on_fakes(tmp_path, callers: int, duration_s: float, **kw):
+    """run_soak against an in-process server on the fake stages, its task count probed."""
     service = DuplexService(load_profile("cpu"), fake_stages(scripted_answer))
     server = InProcessServer(service)
     url = server.start()
     try:
-        result = await run_soak(
+        return await run_soak(
             url,
-            1,
-            6.0,
-            turns=1,
+            callers,
+            duration_s,
             barge_ins=0,
             synth=tone_prompt,
             out_dir=tmp_path,
-            sample_every_s=2.0,
-            stagger_s=0.2,
             settle_s=0.5,
             server_probe=lambda: {"server_tasks": server.task_count()},
             progress=None,
-            hangups=1,
+            **kw,
             **PROMPTS,
         )
     finally:
         server.stop()
         service.close()
+
+
+async def test_soak_with_callers_who_hang_up_leaves_no_task_behind(tmp_path) -> None:
+    """`--hangups`: callers who drop the connection (no close handshake) at the answer's first audio,
+    while a regular caller talks; the server's task count is back to idle after them."""
+    result = await _soak_on_fakes(tmp_path, 1, 6.0, turns=1, sample_every_s=2.0, stagger_s=0.2, hangups=1)
     h = result["totals"]["hangups"]
     assert h["calls"] >= 2 and h["at_first_audio"] == h["calls"], h
     assert result["verdict"]["server_tasks_grew"] is False
@@ -215,28 +217,7 @@ async def test_soak_with_callers_who_hang_up_leaves_no_task_behind(tmp_path) -> 
 
 
 async def test_soak_samples_the_server_and_writes_its_outputs(tmp_path) -> None:
-    service = DuplexService(load_profile("cpu"), fake_stages(scripted_answer))
-    server = InProcessServer(service)
-    url = server.start()
-    try:
-        result = await run_soak(
-            url,
-            2,
-            3.0,
-            turns=2,
-            barge_ins=0,
-            synth=tone_prompt,
-            out_dir=tmp_path,
-            sample_every_s=1.0,
-            stagger_s=0.3,
-            settle_s=0.5,
-            server_probe=lambda: {"server_tasks": server.task_count()},
-            progress=None,
-            **PROMPTS,
-        )
-    finally:
-        server.stop()
-        service.close()
+    result = await _soak_on_fakes(tmp_path, 2, 3.0, turns=2, sample_every_s=1.0, stagger_s=0.3)
     data = json.loads((tmp_path / "soak.json").read_text())
     assert (tmp_path / "soak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     samples = data["samples"]

@@ -7,8 +7,9 @@ dialogue state: KV caches, logits) stayed alive that long: the soak's ~40 MB a m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -29,6 +30,21 @@ def count(kind: type) -> int:
     return sum(1 for o in gc.get_objects() if issubclass(type(o), kind))
 
 
+@contextlib.asynccontextmanager
+async def fake_server() -> AsyncIterator[tuple[DuplexService, str]]:
+    """A native server on the fake stages (2 sessions at most): the service and its WebSocket URL."""
+    service = DuplexService(
+        load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=2)
+    )
+    srv = DuplexServer(service, ServerSettings(host="127.0.0.1", port=0))
+    await srv.start()
+    try:
+        yield service, f"ws://127.0.0.1:{srv.port}/v1/duplex"
+    finally:
+        await srv.close()
+        service.close()
+
+
 @pytest.fixture
 def no_cycle_collector() -> Iterator[None]:
     gc.collect()
@@ -41,13 +57,8 @@ def no_cycle_collector() -> Iterator[None]:
 
 async def test_finished_jobs_and_closed_sessions_need_no_cycle_collector(no_cycle_collector: None) -> None:
     before = {kind: count(kind) for kind in (Job, SessionCore, SessionRunner)}
-    service = DuplexService(
-        load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=2)
-    )
-    srv = DuplexServer(service, ServerSettings(host="127.0.0.1", port=0))
-    await srv.start()
-    try:
-        events, code = await converse(f"ws://127.0.0.1:{srv.port}/v1/duplex", speech(QUESTION, 0.3))
+    async with fake_server() as (service, url):
+        events, code = await converse(url, speech(QUESTION, 0.3))
         assert any(e["type"] == "response.done" and e["status"] == "completed" for e in events)
         assert code is None
         jobs_run = sum(s["jobs"] for s in service.executor.stats().values())
@@ -55,9 +66,6 @@ async def test_finished_jobs_and_closed_sessions_need_no_cycle_collector(no_cycl
         # /stats counts the LLM tokens generated (the load bench's tokens/s): the answer's words at least,
         # speculative answers to partial transcripts included
         assert service.stats()["llm"]["tokens"] >= len("paris is the capital of france".split())
-    finally:
-        await srv.close()
-        service.close()
     # the session's runner, core and every job it submitted are gone without a collection
     assert {kind: count(kind) - n for kind, n in before.items()} == {Job: 0, SessionCore: 0, SessionRunner: 0}
 
@@ -134,21 +142,13 @@ async def test_a_caller_who_hangs_up_is_freed_without_the_cycle_collector(no_cyc
     from duplex.bench.load import hang_up_call
 
     before = {kind: count(kind) for kind in (Job, SessionCore, SessionRunner)}
-    service = DuplexService(
-        load_profile("cpu"), fake_stages(scripted_answer), limits=ServiceLimits(max_sessions=2)
-    )
-    srv = DuplexServer(service, ServerSettings(host="127.0.0.1", port=0))
-    await srv.start()
-    try:
+    async with fake_server() as (service, url):
         for _ in range(3):
-            got = await hang_up_call(f"ws://127.0.0.1:{srv.port}/v1/duplex", tone_prompt(QUESTION))
+            got = await hang_up_call(url, tone_prompt(QUESTION))
             assert got["reached_audio"], got
         for _ in range(100):  # the server notices the dead connection on its own time
             if not service.sessions:
                 break
             await asyncio.sleep(0.02)
         assert not service.sessions
-    finally:
-        await srv.close()
-        service.close()
     assert {kind: count(kind) - n for kind, n in before.items()} == {Job: 0, SessionCore: 0, SessionRunner: 0}
