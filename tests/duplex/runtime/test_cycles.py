@@ -11,6 +11,7 @@ import contextlib
 import gc
 from collections.abc import AsyncIterator, Iterator
 
+import numpy as np
 import pytest
 
 from duplex.base.config import load_profile
@@ -152,3 +153,45 @@ async def test_a_caller_who_hangs_up_is_freed_without_the_cycle_collector(no_cyc
             await asyncio.sleep(0.02)
         assert not service.sessions
     assert {kind: count(kind) - n for kind, n in before.items()} == {Job: 0, SessionCore: 0, SessionRunner: 0}
+
+
+async def test_callers_who_hang_up_are_freed_while_another_call_goes_on(no_cycle_collector: None) -> None:
+    """The hung-up sessions must go while a caller stays on the line. Every asyncio handle keeps the
+    context it was scheduled in, and a context that held the session's core (for the log lines' ids)
+    kept each hung-up session, its dialogue state and KV caches, alive for as long as any call went on:
+    the hang-up soak's RSS growth (~6 MB per hung-up caller with the real models)."""
+    import json
+
+    from websockets.asyncio.client import connect
+
+    from duplex.bench.cli import tone_prompt
+    from duplex.bench.common import FRAME_SAMPLES, SR, float_to_pcm16
+    from duplex.bench.load import hang_up_call
+
+    before = count(SessionCore)
+    async with fake_server() as (service, url):
+        async with connect(url, compression=None) as staying:
+            await staying.send(json.dumps({"type": "session.start", "sample_rate": SR}))
+
+            async def microphone() -> None:  # the caller who stays: silence at the frame rate
+                silence = float_to_pcm16(np.zeros(FRAME_SAMPLES, np.float32))
+                while True:
+                    await staying.send(silence)
+                    await asyncio.sleep(FRAME_SAMPLES / SR)
+
+            mic = asyncio.create_task(microphone())
+            try:
+                for _ in range(3):  # (two sessions at most: one hangs up at a time)
+                    got = await hang_up_call(url, tone_prompt(QUESTION))
+                    assert got["reached_audio"], got
+                    for _ in range(100):  # the server notices the dead connection on its own time
+                        if len(service.sessions) == 1:
+                            break
+                        await asyncio.sleep(0.02)
+                    assert len(service.sessions) == 1
+                # only the staying caller's core is alive, without a collection
+                assert count(SessionCore) - before == 1
+            finally:
+                mic.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await mic
