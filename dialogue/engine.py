@@ -402,6 +402,9 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             state.response_ids, state.emitted_chars, state.pending = [], 0, []
             state.prefix, state.done, state.answer_live, state.seam_space = "", False, False, False
             relay = self.drafter_options.relay if getattr(step, "relay", None) is None else bool(step.relay)
+            lead = self._answer_lead(msgs)
+            if lead:  # the answer starts with these words (dialogue/caller_notes.py): no draft to relay
+                state.prefix, relay = lead, False
             if relay and self.drafter is not None and self.verifier is not None and state.drafter is not None:
                 relay_info = self._draft(state, msgs, getattr(step, "commit", None))
                 if self._exact_relay(step):
@@ -435,19 +438,22 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             ):
                 prefill = self._slow_sync(state)
             words = int(getattr(step, "phrase_words", 0) or 0) if step.messages is not None else 0
+            # an answer lead (not a committed draft: that went out on its own step) goes out with the
+            # first words the slow model adds to it
+            lead = state.prefix if step.messages is not None and relay_info is None else ""
             if words:
                 # token by token until the TTS can start: a fixed step would overshoot, or stop short
                 # and cost a whole further step before the first audio
                 from duplex.base.phrases import first_phrase_ready
 
-                text, n = (self._emit(state), len(state.response_ids)) if checked else ("", 0)
+                text, n = (self._emit(state), len(state.response_ids)) if checked else (lead, 0)
                 while not (
                     state.done or n >= FIRST_PHRASE_MAX_TOKENS or first_phrase_ready(text, False, words)
                 ):
                     delta, k = self._slow_decode(state, 1)
                     text, n = text + delta, n + k
             else:
-                head = self._emit(state) if checked else ""
+                head = self._emit(state) if checked else lead
                 text, n = self._slow_decode(state, step.max_tokens)
                 text, n = head + text, n + (len(state.response_ids) if checked else 0)
         text = _after_seam(state, text)
@@ -591,6 +597,15 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         state.pending = []
         state.answer_live = True
         return n
+
+    def _answer_lead(self, messages: list[dict[str, str]]) -> str:
+        """The words the answer must start with ("Your sister"), or "": with caller notes on and the
+        slow model in process."""
+        if not self.slow_options.caller_notes or self.remote is not None or self.slow is None:
+            return ""
+        from dialogue.caller_notes import answer_lead
+
+        return answer_lead(messages) or ""
 
     def _slow_messages(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
         """The history as the slow model reads it: with caller notes when they are on."""

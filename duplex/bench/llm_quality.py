@@ -231,10 +231,11 @@ def run_profile(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if args.facts >= 0:
         res["facts"] = eval_facts(stage, args.facts, progress)
     if args.memory:
-        from duplex.eval.answers import MEMORY_HELDOUT
+        from duplex.eval.answers import MEMORY_FRESH, MEMORY_HELDOUT
 
         res["memory"] = eval_memory(stage, progress)
         res["memory_heldout"] = eval_memory(stage, progress, MEMORY_HELDOUT)
+        res["memory_fresh"] = eval_memory(stage, progress, MEMORY_FRESH)
         if args.notes_ab and getattr(stage, "slow_options", None) is not None:
             import dataclasses
 
@@ -245,6 +246,7 @@ def run_profile(name: str, args: argparse.Namespace) -> dict[str, Any]:
             try:
                 res[f"memory_notes_{flipped}"] = eval_memory(stage, progress)
                 res[f"memory_heldout_notes_{flipped}"] = eval_memory(stage, progress, MEMORY_HELDOUT)
+                res[f"memory_fresh_notes_{flipped}"] = eval_memory(stage, progress, MEMORY_FRESH)
             finally:
                 stage.slow_options = kept
     res["speed"] = [eval_speed(stage, t, args.repeats) for t in args.threads]
@@ -276,12 +278,14 @@ def summary_table(results: Sequence[dict[str, Any]]) -> str:
         "held-out memory cases correct",
         lambda r: f"{r['memory_heldout']['correct']}/{r['memory_heldout']['n']}",
     )
+    row("fresh memory cases correct", lambda r: f"{r['memory_fresh']['correct']}/{r['memory_fresh']['n']}")
     for flipped in ("off", "on"):
         if any(f"memory_notes_{flipped}" in r for r in results):
             row(
-                f"memory / held-out memory cases, caller notes {flipped} (same run)",
+                f"memory / held-out / fresh memory cases, caller notes {flipped} (same run)",
                 lambda r, f=flipped: (
                     f"{r[f'memory_notes_{f}']['correct']} / {r[f'memory_heldout_notes_{f}']['correct']}"
+                    f" / {r[f'memory_fresh_notes_{f}']['correct']}"
                 ),
             )
     threads = sorted({s["threads"] for r in results for s in r.get("speed", [])})

@@ -88,6 +88,30 @@ MEMORY_HELDOUT: tuple[MemoryCase, ...] = (
     ),
 )
 
+#: a third set, written on 2026-11-26 (eighth session) after the answer leads (dialogue/caller_notes.py)
+#: were chosen on the failures of both sets above, and scored once as written: is the lead general?
+MEMORY_FRESH: tuple[MemoryCase, ...] = (
+    MemoryCase("My wife is called Maria.", "What's my wife's name?", (("maria",),), r"\bmy wife\b"),
+    MemoryCase("I'm from Canada.", "Which country am I from?", (("canada",),), r"\bi(?: am|'m) from\b"),
+    MemoryCase(
+        "My son plays football.", "What sport does my son play?", (("football", "soccer"),), r"\bmy son\b"
+    ),
+    MemoryCase("I speak French.", "Which language do I speak?", (("french",),), r"\bi speak\b"),
+    MemoryCase("My best friend is called Sam.", "Who is my best friend?", (("sam",),), r"\bmy best friend\b"),
+    MemoryCase(
+        "I am thirty years old.", "How old am I?", (("thirty", "30"),), r"\bi(?: am|'m) (?:thirty|30)\b"
+    ),
+    MemoryCase("My phone is black.", "What colour is my phone?", (("black",),), r"\bmy phone\b"),
+    MemoryCase("I like tennis.", "Which sport do I like?", (("tennis",),), r"\bi like\b"),
+    MemoryCase("My mother lives in Rome.", "Where does my mother live?", (("rome",),), r"\bmy mother\b"),
+    MemoryCase(
+        "My favourite animal is the horse.",
+        "What is my favourite animal?",
+        (("horse",),),
+        r"\bmy favou?rite animal\b",
+    ),
+)
+
 FACTS_PATH = DATA_ROOT / "dialogue" / "facts_eval.jsonl"
 
 
@@ -212,19 +236,34 @@ def memory_verdict(answer: str, case: MemoryCase) -> tuple[bool, str]:
     return True, ""
 
 
+_STEMS = {
+    "plays": "play",
+    "lives": "live",
+    "works": "work",
+    "has": "have",
+    "likes": "like",
+    "loves": "love",
+    "drives": "drive",
+}
+
+
 def _makes_the_caller_the_subject(text: str, case: MemoryCase) -> bool:
-    """A fact about someone or something of the caller's ("My brother is called Tom.") answered as if it
-    were the caller's own name: "You are Tom.", "Your name is Tom."."""
-    other = re.match(r"\s*my (?!name\b)[a-z]+ (?:is called|is named|'s name is)\b", case.statement.lower())
-    if other is None:
-        return False
-    names = [alt for group in case.answer for alt in group]
-    return any(
-        re.search(
-            rf"\b(?:you(?: are|'re)|your name is|you're called|you are called)\s+{re.escape(n)}\b", text
-        )
-        for n in names
+    """A fact about someone or something of the caller's ("My brother is called Tom.", "My mother lives in
+    Rome.") answered, without saying whose it is, as if it were the caller's own: "You are Tom.", "Your
+    name is Tom.", "You live in Rome.", "You are the horse." ("You are a mango lover." is not one)."""
+    other = re.match(
+        r"\s*my (?:[a-z]+ ){0,2}?([a-z]+)(?:'s)? (is|are|was|were|plays|lives|works|has|likes|loves|drives)\b",
+        case.statement.lower(),
     )
+    if other is None or other[1] == "name" or re.search(rf"\b{re.escape(other[1])}(?:s|'s)?\b", text):
+        return False
+    names = "|".join(re.escape(alt) for group in case.answer for alt in group)
+    if re.search(
+        rf"\b(?:you(?: are|'re)(?: called)?|your name is)\s+(?:the |a |an )?(?:{names})\s*(?:[.,;!?]|$)", text
+    ):
+        return True
+    stem = _STEMS.get(other[2])
+    return stem is not None and re.search(rf"\byou (?:are |'re )?{stem}", text) is not None
 
 
 def answer_vocabulary(facts: Iterable[Fact]) -> set[str]:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from dialogue.caller_notes import MAX_FACTS, asks_about_caller, caller_facts, note_for, with_caller_notes
+from dialogue.caller_notes import (
+    MAX_FACTS,
+    answer_lead,
+    asks_about_caller,
+    caller_facts,
+    note_for,
+    with_caller_notes,
+)
 
 
 @pytest.mark.parametrize(
@@ -72,3 +79,31 @@ def test_notes_keep_the_newest_facts_once_each():
     assert "their cat" not in note and "their fish" not in note  # the oldest fell out of the note
     assert note.endswith("their dog is called Rex. Answer them with 'your'.)")
     assert asks_about_caller("Do I have pets?") and not asks_about_caller("Is it raining?")
+
+
+@pytest.mark.parametrize(
+    ("said", "asked", "lead"),
+    [
+        ("My sister is called Clara.", "What is my sister called?", "Your sister"),
+        ("My favourite colour is green.", "What is my favourite colour?", "Your favourite colour"),
+        ("My daughter plays the violin.", "Which instrument does my daughter play?", "Your daughter"),
+        ("My name is Peter.", "Do you remember my name?", "Your name"),
+        ("My wife is called Maria.", "What's my wife's name?", "Your wife"),
+        ("I was born in March.", "In which month was I born?", "You were born"),
+        ("I live in Madrid.", "Where do I live?", "You live in"),
+        ("I have three children.", "How many children do I have?", "You have"),
+        # no fact about the thing asked, a fact with no lead, not a question: the model answers freely
+        ("My dog is called Max.", "What is my sister called?", None),
+        ("I work as a nurse.", "What is my job?", None),
+        ("My sister is called Clara.", "My sister is called Clara.", None),
+        ("The sky is blue.", "What is my name?", None),
+    ],
+)
+def test_the_answer_to_a_question_about_a_stated_fact_starts_with_whose_it_is(said, asked, lead):
+    msgs = [
+        {"role": "user", "content": said},
+        {"role": "assistant", "content": "Nice."},
+        {"role": "user", "content": asked},
+    ]
+    assert answer_lead(msgs) == lead
+    assert answer_lead(msgs[-1:]) is None  # nothing said before: no lead

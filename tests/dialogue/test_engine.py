@@ -543,3 +543,8 @@ def test_caller_notes_reach_the_slow_model_as_it_reads_the_question(tokenizer, n
     users = [p.key[1] for p in state.slow.pieces if p.key[0] == "user"]
     said = question + note_for(["their dog is called Max"]) if notes else question
     assert users == ["My dog is called Max.", said]
+    # on, the answer starts with the caller's thing (caller_notes.answer_lead): the slow model read it as
+    # the answer's first words and went on from there; it goes out with the first words after it
+    assert out.text.startswith("Your dog") == notes
+    answers = [p.key[1] for p in state.slow.pieces if p.key[0] == "answer"]
+    assert (answers == ["Your dog"]) == notes

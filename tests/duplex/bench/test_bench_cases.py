@@ -93,9 +93,24 @@ def test_memory_verdict_refuses_making_the_caller_the_one_the_fact_is_about() ->
 
 
 def test_held_out_memory_cases_are_other_cases_graded_alike() -> None:
-    from duplex.eval.answers import MEMORY_CASES, MEMORY_HELDOUT
+    from duplex.eval.answers import MEMORY_CASES, MEMORY_FRESH, MEMORY_HELDOUT
 
     assert not {c.statement for c in MEMORY_HELDOUT} & {c.statement for c in MEMORY_CASES}
+    assert not {c.statement for c in MEMORY_FRESH} & {c.statement for c in MEMORY_CASES + MEMORY_HELDOUT}
+    for case in MEMORY_FRESH:  # each is gradable: its keyword, said to the caller, is right
+        assert memory_verdict(f"You told me: {case.answer[0][0]}.", case)[0], case
+    # a third party's fact said of the caller is wrong; a fact of the caller's own, reframed, is not
+    fresh = {c.question: c for c in MEMORY_FRESH}
+    for question, wrong in [
+        ("Who is my best friend?", "You are Sam."),
+        ("Where does my mother live?", "You live in Rome."),
+        ("What sport does my son play?", "You are playing football."),
+        ("What is my favourite animal?", "You are the horse."),
+        ("What's my wife's name?", "Your name is Maria."),
+    ]:
+        assert "identity confusion" in memory_verdict(wrong, fresh[question])[1], wrong
+    assert memory_verdict("Your mother lives in Rome.", fresh["Where does my mother live?"]) == (True, "")
+    assert memory_verdict("You are a mango lover.", MEMORY_HELDOUT[4]) == (True, "")
     for case, right, own in [
         (MEMORY_HELDOUT[0], "Your brother is called Tom.", "My brother is called Tom."),
         (MEMORY_HELDOUT[1], "You live in Madrid.", "I live in Madrid."),
