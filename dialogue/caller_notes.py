@@ -49,6 +49,13 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
 _NAME = re.compile(r"\b(?:I am|I'm) ([A-Z][a-z]+)(?=\s*(?:[.,;!?]|\band\b|$))")
 _PRONOUNS = {"my": "their", "me": "them", "i": "they", "mine": "theirs", "myself": "themselves"}
 _ABOUT_CALLER = re.compile(r"\b(?:my|mine|me|i|i'm|am i|do i|did i|have i)\b", re.IGNORECASE)
+# a question without its question mark (the ASR often ends one with a comma or nothing): it opens with
+# a question word or an auxiliary, after at most a preposition ("In which month was I born,")
+_ASKS = re.compile(
+    r"^\W*(?:(?:in|on|at|from|for|to|with|and|so|then|but) )?(?:what|what's|which|where|when|who|who's|whose|"
+    r"how|why|do|does|did|am|is|are|was|were|can|could|will|would|have|has|tell me|remind me)\b",
+    re.IGNORECASE,
+)
 #: at most this many facts in a note (the newest), so a long call does not grow every question
 MAX_FACTS = 6
 
@@ -58,7 +65,7 @@ def caller_facts(text: str) -> list[str]:
     Max", "they live in Boston"); none for a question."""
     out: list[str] = []
     for sentence in re.split(r"(?<=[.!?])\s+", text.strip()):
-        if sentence.rstrip().endswith("?"):
+        if is_question(sentence):
             continue
         taken: list[tuple[int, int]] = []
         for pattern, template in _PATTERNS:
@@ -82,9 +89,14 @@ def _third_person(words: str) -> str:
     return re.sub(r"\b(my|me|i|mine|myself)\b", lambda m: _PRONOUNS[m[1].lower()], words, flags=re.IGNORECASE)
 
 
+def is_question(text: str) -> bool:
+    """Ends with a question mark, or reads as a question ("In which month was I born,")."""
+    return text.rstrip().endswith("?") or bool(_ASKS.search(text))
+
+
 def asks_about_caller(text: str) -> bool:
     """A question that mentions the caller ("What is my name?", "Where do I live?")."""
-    return text.rstrip().endswith("?") and bool(_ABOUT_CALLER.search(text))
+    return is_question(text) and bool(_ABOUT_CALLER.search(text))
 
 
 # "my sister", "my favourite colour": the caller's thing a question asks about
@@ -97,6 +109,9 @@ _I_VERBS: tuple[tuple[re.Pattern[str], str, str], ...] = tuple(
         (r"\b(?:do|did) i live\b", "they live in ", "You live in"),
         (r"\bdo i have\b", "they have ", "You have"),
         (r"\bam i from\b|\bdo i come from\b", "they are from ", "You are from"),
+        (r"\bhow old am i\b", "they are ", "You are"),
+        (r"\bwhat do i do\b|\bmy (?:job|work)\b", "they work ", "You work"),
+        (r"\bwhat do i do\b|\bmy (?:job|work)\b", "they are a", "You are"),
     )
 )
 

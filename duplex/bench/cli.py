@@ -47,7 +47,7 @@ def add_case_arguments(b: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="N two-turn cases ('My name is Anna.' ... 'What is my name?'): does the answer remember",
+        help="N two-turn cases ('My name is Anna.' ... 'What is my name?'; 30 in three sets): does the answer remember",
     )
     b.add_argument("--seed", type=int, default=0, help="seed of the pauses, barge-in waits and fact draw")
 

@@ -88,6 +88,10 @@ from duplex.bench.common import (
 from duplex.bench.conversation import Conversation, answer_vocabulary
 from duplex.bench.report import write_outputs
 from duplex.core.events import LATENCY_STAGES
+from duplex.eval.answers import MEMORY_FRESH, MEMORY_HELDOUT
+
+#: `--memory N` asks the first N of the three memory sets (duplex/eval/answers.py), in this order
+ALL_MEMORY_CASES: tuple[MemoryCase, ...] = (*MEMORY_CASES, *MEMORY_HELDOUT, *MEMORY_FRESH)
 
 log = logging.getLogger("duplex.bench.serve")
 
@@ -250,7 +254,7 @@ def plan_session(
     fact_set: Sequence[Fact] | None = None,
     pause_pairs: Sequence[tuple[str, str]] = PAUSE_PAIRS,
     pause_s: tuple[float, float] = (1.0, 1.5),
-    memory_cases: Sequence[MemoryCase] = MEMORY_CASES,
+    memory_cases: Sequence[MemoryCase] = ALL_MEMORY_CASES,
     offset: int = 0,
 ) -> SessionPlan:
     """The seeded plan of one session; `offset` rotates the prompt lists (another caller of a load
@@ -441,7 +445,7 @@ async def run_bench(
     fact_set: Sequence[Fact] | None = None,
     pause_pairs: Sequence[tuple[str, str]] = PAUSE_PAIRS,
     pause_s: tuple[float, float] = (1.0, 1.5),
-    memory_cases: Sequence[MemoryCase] = MEMORY_CASES,
+    memory_cases: Sequence[MemoryCase] = ALL_MEMORY_CASES,
     voice: str | None = None,
 ) -> dict[str, Any]:
     """Run `turns` question turns, `facts` factual questions, `pauses` mid-sentence pauses, `memory`

@@ -10,6 +10,7 @@ from dialogue.caller_notes import (
     answer_lead,
     asks_about_caller,
     caller_facts,
+    is_question,
     note_for,
     with_caller_notes,
 )
@@ -92,9 +93,12 @@ def test_notes_keep_the_newest_facts_once_each():
         ("I was born in March.", "In which month was I born?", "You were born"),
         ("I live in Madrid.", "Where do I live?", "You live in"),
         ("I have three children.", "How many children do I have?", "You have"),
+        ("I am thirty years old.", "How old am I?", "You are"),
+        ("I work as a nurse.", "What is my job?", "You work"),
+        ("I am a teacher.", "What do I do for work?", "You are"),
         # no fact about the thing asked, a fact with no lead, not a question: the model answers freely
         ("My dog is called Max.", "What is my sister called?", None),
-        ("I work as a nurse.", "What is my job?", None),
+        ("I speak French.", "Which language do I speak?", None),
         ("My sister is called Clara.", "My sister is called Clara.", None),
         ("The sky is blue.", "What is my name?", None),
     ],
@@ -107,3 +111,34 @@ def test_the_answer_to_a_question_about_a_stated_fact_starts_with_whose_it_is(sa
     ]
     assert answer_lead(msgs) == lead
     assert answer_lead(msgs[-1:]) is None  # nothing said before: no lead
+
+
+@pytest.mark.parametrize(
+    ("said", "asked", "lead"),
+    [  # as Moonshine writes them: a comma, or nothing, where the full stop or question mark was
+        ("I was born in March,", "In which month was I born,", "You were born"),
+        ("My sister is called Clara,", "What is my sister called", "Your sister"),
+        ("I work as a nurse,", "What is my job,", "You work"),
+    ],
+)
+def test_questions_and_facts_without_their_punctuation(said, asked, lead):
+    msgs = [{"role": "user", "content": said}, {"role": "user", "content": asked}]
+    assert caller_facts(said) and not caller_facts(asked)
+    assert answer_lead(msgs) == lead
+    assert with_caller_notes(msgs)[-1]["content"].startswith(asked + " (The caller told you earlier")
+
+
+@pytest.mark.parametrize(
+    ("text", "question"),
+    [
+        ("What is my name?", True),
+        ("In which month was I born,", True),
+        ("how old am I", True),
+        ("Do you remember my name", True),
+        ("I am a teacher,", False),
+        ("My dog is called Max", False),
+        ("Whatever you say.", False),
+    ],
+)
+def test_a_question_is_told_by_its_words_as_well_as_its_mark(text, question):
+    assert is_question(text) == question
