@@ -56,7 +56,8 @@ def stream_question(stage):
 
 
 @pytest.mark.xfail(
-    strict=True, reason="the shipped checkpoint (step 10000) still hears 'what is the cap of friends' (issue 20)"
+    strict=True,
+    reason="the shipped checkpoint (step 10000) still hears 'what is the cap of friends' (issue 20)",
 )
 def test_shipped_model_hears_the_capital_of_france(stage):
     _, out, _ = stream_question(stage)
