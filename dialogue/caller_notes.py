@@ -123,6 +123,8 @@ def answer_lead(messages: Sequence[Mapping[str, str]]) -> str | None:
     if not messages or messages[-1].get("role") != "user":
         return None
     question = str(messages[-1].get("content") or "")
+    if not is_question(question):
+        return statement_lead(question)
     if not asks_about_caller(question):
         return None
     facts: list[str] = []
@@ -146,6 +148,28 @@ def answer_lead(messages: Sequence[Mapping[str, str]]) -> str | None:
             if any(f.startswith(f"their {thing} ") for f in facts):
                 return f"Your {thing}"
     return None
+
+
+#: a statement longer than this is more than a fact to confirm ("I have a headache and I need ...")
+STATEMENT_WORDS = 8
+
+
+def statement_lead(text: str) -> str | None:
+    """The first words of the acknowledgement of a short statement of the caller's own facts, which
+    confirms whose they are: "My sister is called Clara." -> "Got it, your sister" ("You are Clara."
+    before); "I live in Boston." -> "Got it, you live". None for anything else."""
+    words = re.findall(r"[\w']+", text)
+    if not words or len(words) > STATEMENT_WORDS or is_question(text):
+        return None
+    facts = caller_facts(text)
+    if not facts:
+        return None
+    fact = facts[0]
+    if fact.startswith("their "):
+        m = re.match(r"their (.+?) (?:is|are|[a-z]+s)\b", fact)
+        return f"Got it, your {m[1]}" if m else None
+    first = fact.split()[:2]  # "they live ..." -> "you live"
+    return f"Got it, you {first[1]}" if len(first) == 2 and first[0] == "they" else None
 
 
 def note_for(facts: Sequence[str]) -> str:

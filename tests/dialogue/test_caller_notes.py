@@ -11,6 +11,7 @@ from dialogue.caller_notes import (
     asks_about_caller,
     caller_facts,
     is_question,
+    statement_lead,
     note_for,
     with_caller_notes,
 )
@@ -99,7 +100,6 @@ def test_notes_keep_the_newest_facts_once_each():
         # no fact about the thing asked, a fact with no lead, not a question: the model answers freely
         ("My dog is called Max.", "What is my sister called?", None),
         ("I speak French.", "Which language do I speak?", None),
-        ("My sister is called Clara.", "My sister is called Clara.", None),
         ("The sky is blue.", "What is my name?", None),
     ],
 )
@@ -142,3 +142,22 @@ def test_questions_and_facts_without_their_punctuation(said, asked, lead):
 )
 def test_a_question_is_told_by_its_words_as_well_as_its_mark(text, question):
     assert is_question(text) == question
+
+
+@pytest.mark.parametrize(
+    ("said", "lead"),
+    [
+        ("My sister is called Clara.", "Got it, your sister"),
+        ("My favourite colour is green,", "Got it, your favourite colour"),
+        ("My daughter plays the violin.", "Got it, your daughter"),
+        ("I live in Boston", "Got it, you live"),
+        ("I'm Tom.", "Got it, your name"),
+        # not a short statement of the caller's facts: the model answers freely
+        ("I have a headache and I need some advice about it.", None),
+        ("What is my sister called?", None),
+        ("Hello there.", None),
+    ],
+)
+def test_a_short_statement_of_the_callers_facts_is_confirmed_as_theirs(said, lead):
+    assert statement_lead(said) == lead
+    assert answer_lead([{"role": "user", "content": said}]) == lead
