@@ -11,8 +11,8 @@ from dialogue.caller_notes import (
     asks_about_caller,
     caller_facts,
     is_question,
-    statement_lead,
     note_for,
+    statement_lead,
     with_caller_notes,
 )
 
