@@ -395,6 +395,9 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         relay_info: RelayInfo | None = None
         prefill = 0
         checked = False  # the slow model has read (and kept what it agrees with of) the draft
+        # the answer's first words (dialogue/caller_notes.py): they go out with the first words the
+        # slow model adds to them, unlike a committed draft, which goes out on its own step
+        lead = ""
         if step.messages is not None:
             self._close_remote(state)
             msgs = [m for m in step.messages if m.get("role") != "system"]
@@ -403,7 +406,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             state.prefix, state.done, state.answer_live, state.seam_space = "", False, False, False
             relay = self.drafter_options.relay if getattr(step, "relay", None) is None else bool(step.relay)
             lead = self._answer_lead(msgs)
-            if lead:  # the answer starts with these words (dialogue/caller_notes.py): no draft to relay
+            if lead:  # no draft to relay
                 state.prefix, relay = lead, False
             if relay and self.drafter is not None and self.verifier is not None and state.drafter is not None:
                 relay_info = self._draft(state, msgs, getattr(step, "commit", None))
@@ -438,9 +441,6 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             ):
                 prefill = self._slow_sync(state)
             words = int(getattr(step, "phrase_words", 0) or 0) if step.messages is not None else 0
-            # an answer lead (not a committed draft: that went out on its own step) goes out with the
-            # first words the slow model adds to it
-            lead = state.prefix if step.messages is not None and relay_info is None else ""
             if words:
                 # token by token until the TTS can start: a fixed step would overshoot, or stop short
                 # and cost a whole further step before the first audio

@@ -64,7 +64,6 @@ from duplex.bench.common import (
     FRAME_SECONDS,
     INTERRUPTIONS,
     LONG_PROMPTS,
-    MEMORY_CASES,
     PAUSE_PAIRS,
     QUESTIONS,
     SR,
@@ -88,10 +87,7 @@ from duplex.bench.common import (
 from duplex.bench.conversation import Conversation, answer_vocabulary
 from duplex.bench.report import write_outputs
 from duplex.core.events import LATENCY_STAGES
-from duplex.eval.answers import MEMORY_FRESH, MEMORY_HELDOUT
-
-#: `--memory N` asks the first N of the three memory sets (duplex/eval/answers.py), in this order
-ALL_MEMORY_CASES: tuple[MemoryCase, ...] = (*MEMORY_CASES, *MEMORY_HELDOUT, *MEMORY_FRESH)
+from duplex.eval.answers import ALL_MEMORY_CASES
 
 log = logging.getLogger("duplex.bench.serve")
 

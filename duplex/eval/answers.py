@@ -112,6 +112,9 @@ MEMORY_FRESH: tuple[MemoryCase, ...] = (
     ),
 )
 
+#: the three sets in one, in this order (`duplex bench --memory N` asks the first N)
+ALL_MEMORY_CASES: tuple[MemoryCase, ...] = (*MEMORY_CASES, *MEMORY_HELDOUT, *MEMORY_FRESH)
+
 FACTS_PATH = DATA_ROOT / "dialogue" / "facts_eval.jsonl"
 
 
