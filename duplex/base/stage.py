@@ -47,6 +47,14 @@ class IncrementalStage(Protocol[StateT_contra]):
     def pending(self, state: StateT_contra) -> bool: ...
 
 
+@runtime_checkable
+class RestartableStage(Protocol[StateT]):
+    """A segment stage that can start over on the whole input yet keep what an earlier state learnt (an ASR
+    whose final re-reads the segment from a fresh state but uses the partials' transcript as a draft)."""
+
+    def restart_state(self, state: StateT) -> StateT: ...
+
+
 class SequentialBatchMixin(Generic[StateT, InT, OutT]):
     """`step_batch` for stages whose model has no batched kernel yet: steps sessions in turn.
 

@@ -43,7 +43,7 @@ from duplex.base.messages import (
     TtsInput,
 )
 from duplex.base.phrases import first_phrase_ready
-from duplex.base.stage import IncrementalStage
+from duplex.base.stage import IncrementalStage, RestartableStage
 from duplex.base.turn_policy import LABELS
 from duplex.core.endpointing import Edge, Endpointer
 from duplex.core.events import (
@@ -494,10 +494,13 @@ class SessionCore:
             )
             return
         audio = np.concatenate(seg.audio) if seg.audio else np.zeros(0, dtype=np.float32)
+        asr = self.stages.asr
+        # the partials' last transcript (of a shorter prefix) is the final's draft where the stage takes one
+        fresh = asr.restart_state(seg.asr_state) if isinstance(asr, RestartableStage) else asr.init_state()
         self._submit(
             "asr",
             "asr.final",
-            self.stages.asr.init_state(),
+            fresh,
             AsrChunk(audio, transcribe=True, final=True),
             self.budgets["asr.final"],
             tag=(seg.sid, True, seg.total_samples),

@@ -81,6 +81,43 @@ def test_step_does_not_modify_input_state(stage: MoonshineAsrStage, question: np
     assert a.text == b.text and state.n_samples == 16000
 
 
+def test_a_draft_changes_the_cost_never_the_transcript(
+    stage: MoonshineAsrStage, question: np.ndarray
+) -> None:
+    """Greedy decoding with a draft keeps only the prefix the decoder would have chosen itself."""
+    model = stage.model
+    want = model.transcribe_ids(question)
+    partial = model.transcribe_ids(question[: question.size // 2])  # what a partial had heard
+    assert partial != want and len(want) >= 6
+    rng = np.random.default_rng(0)
+    drafts = {
+        "itself": want,
+        "a partial": partial,
+        "cut short": want[:-2],
+        "wrong from the first token": [int(t) for t in rng.integers(3, 30000, 8)],
+        "wrong in the middle": [*want[:3], 4000, *want[4:]],
+        "too long": [*want, 500, 600, 700],
+        "far too long": want * 20,
+    }
+    for name, draft in drafts.items():
+        assert model.transcribe_ids(question, draft) == want, name
+
+
+def test_the_state_carries_the_last_transcript_as_the_next_draft(
+    stage: MoonshineAsrStage, question: np.ndarray
+) -> None:
+    half = question.size // 2
+    out, state = stage.step(stage.init_state(), AsrChunk(question[:half], transcribe=True))
+    assert state.draft and decode_tokens(stage.model.tokens, list(state.draft)) == out.text
+    _, state = stage.step(state, AsrChunk(question[half : half + 1600]))  # no transcription: draft unchanged
+    assert decode_tokens(stage.model.tokens, list(state.draft)) == out.text
+    fresh = stage.restart_state(state)  # the final's state: no audio, the partial's draft
+    assert fresh.n_samples == 0 and fresh.draft == state.draft
+    final, _ = stage.step(fresh, AsrChunk(question, final=True))
+    whole, _ = stage.step(stage.init_state(), AsrChunk(question, final=True))
+    assert final.text == whole.text
+
+
 def test_concurrent_threads(stage: MoonshineAsrStage) -> None:
     texts = [QUESTION, "Hello there, how are you today?"]
     audio = [synthesize(t) for t in texts]

@@ -440,3 +440,51 @@ def test_input_clear_drops_the_unfinished_turn():
     assert not result.events("response.started")
     assert not result.events("transcript.final")
     assert core.history == []
+
+
+def test_a_restartable_asr_gets_the_partials_transcript_as_the_finals_draft():
+    """The final re-reads the whole segment from a fresh state, but a stage that can restart a state (Moonshine's
+    draft-verified decoding) keeps the last partial's transcript for it."""
+    from dataclasses import dataclass, replace
+
+    from duplex.base.messages import AsrChunk, AsrResult
+    from duplex.base.stage import RestartableStage
+    from duplex.testing.fakes import ToneAsr, ToneAsrState
+
+    @dataclass
+    class DraftState(ToneAsrState):
+        draft: str = ""
+
+    class DraftAsr(ToneAsr):
+        def __init__(self) -> None:
+            self.final_drafts: list[tuple[str, int]] = []
+
+        def init_state(self) -> DraftState:
+            return DraftState()
+
+        def restart_state(self, state: DraftState) -> DraftState:
+            return DraftState(draft=state.draft)
+
+        def step(self, state: ToneAsrState, chunk: AsrChunk) -> tuple[AsrResult | None, DraftState]:
+            assert isinstance(state, DraftState)
+            out, new = super().step(state, chunk)
+            if chunk.final:
+                self.final_drafts.append((state.draft, state.audio.size))
+            return out, DraftState(new.audio, draft=out.text if out is not None else state.draft)
+
+    profile = load_profile("cpu")
+    clock = FakeClock()
+    asr = DraftAsr()
+    assert isinstance(asr, RestartableStage)
+    stages = replace(fake_stages(answer), asr=asr)
+    core = SessionCore(
+        "s1", profile, stages, clock, options=profile.session.with_overrides({"partial_interval_ms": 300})
+    )
+    audio = np.concatenate([silence(0.3), tone_speech("what is the capital of france"), silence(3.0)])
+    result = replay(core, clock, audio, COSTS)
+    partials = [e.text for e in result.events("transcript.partial")]
+    assert len(partials) >= 2 and asr.final_drafts
+    draft, samples = asr.final_drafts[0]
+    assert samples == 0  # a fresh state: the final reads the whole segment itself
+    assert draft in partials and "what is the capital of france".startswith(draft)
+    assert result.events("transcript.final")[0].text == "what is the capital of france"
