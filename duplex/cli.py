@@ -363,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
         "model, checked by the learned verifier (OUT/relay-*/ and OUT/compare-relay.txt)",
     )
     b.add_argument(
+        "--compare-early",
+        action="store_true",
+        help="the same conversation twice on one server: answers prepared from the words heard while the "
+        "user talks off, then on (OUT/early-*/ and OUT/compare-early.txt)",
+    )
+    b.add_argument(
         "--compare-tts",
         default=None,
         metavar="PROFILE",

@@ -65,6 +65,10 @@ class SessionOptions:
     #: a streaming ASR's end-of-utterance signal (its decoder heard no word for `eou_silence_ms`)
     #: pauses the turn at the last word even where the VAD still hears sound (a hum, a noisy room)
     asr_end_of_utterance: bool = True
+    #: learned turn-taking: when the turn head, reading the user's words while they still talk, is sure
+    #: the turn is complete, the answer's first phrase is prepared (held) from those words; at the pause,
+    #: if the final transcript says the same words, the head's verdict and the phrase are ready at once
+    early_answer: bool = True
 
     #: options a client may change with session.start / session.update
     CLIENT_SETTABLE = (
@@ -80,8 +84,9 @@ class SessionOptions:
         "relay",
         "relay_check",
         "asr_end_of_utterance",
+        "early_answer",
     )
-    _BOOLEAN = ("backchannels", "relay", "asr_end_of_utterance")
+    _BOOLEAN = ("backchannels", "relay", "asr_end_of_utterance", "early_answer")
 
     def with_overrides(self, overrides: dict[str, Any]) -> SessionOptions:
         """Apply a client's per-session deltas; unknown or out-of-range values raise ConfigError."""

@@ -128,7 +128,13 @@ def main(args: argparse.Namespace) -> int:
         if transports:
             return _bench_transports(url, transports, audiosocket, args, tones, synth)
         if getattr(args, "compare_relay", False):
-            return _compare_relay(url, args, synth, options, seed, voice, cases)
+            return _compare_sessions(
+                url, args, synth, options, seed, voice, cases, "compare-relay", RELAY_VARIANTS
+            )
+        if getattr(args, "compare_early", False):
+            return _compare_sessions(
+                url, args, synth, options, seed, voice, cases, "compare-early", EARLY_VARIANTS
+            )
         if getattr(args, "compare_tts", None):
             return _compare_tts(url, service, args, synth, options, seed, voice, cases)
         result = asyncio.run(
@@ -419,9 +425,14 @@ RELAY_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("relay-exact", {"relay": True, "relay_check": "exact"}),
     ("relay-verifier", {"relay": True, "relay_check": "verifier"}),
 )
+#: `--compare-early`: answers prepared from the words heard while the user talks, off and on
+EARLY_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("early-off", {"early_answer": False}),
+    ("early-on", {"early_answer": True}),
+)
 
 
-def _compare_relay(
+def _compare_sessions(
     url: str,
     args: argparse.Namespace,
     synth: Any,
@@ -429,12 +440,14 @@ def _compare_relay(
     seed: int,
     voice: str,
     cases: dict[str, int],
+    title: str,
+    variants: tuple[tuple[str, dict[str, Any]], ...],
 ) -> int:
-    """--compare-relay: the same conversation with the relay off, checked exactly, and checked by the
-    learned verifier, each in its own session on the same server; one results folder per variant
-    (OUT/relay-*) and a table of what each buys: onset, facts right, wrong facts from a draft."""
+    """--compare-relay / --compare-early: the same conversation once per variant of the session options, each
+    in its own session on the same server; one results folder per variant (OUT/<variant>) and a table of what
+    each buys: onset, facts right, wrong facts from a draft, pauses taken, memory, drafts kept, early answers."""
     rows: list[tuple[str, dict[str, Any]]] = []
-    for name, variant in RELAY_VARIANTS:
+    for name, variant in variants:
         print(f"\n== {name}: {variant}", flush=True)
         result = asyncio.run(
             run_bench(
@@ -454,7 +467,7 @@ def _compare_relay(
     lines = [
         "",
         f"{'variant':<16}{'onset P50':>10}{'P90':>8}{'n':>5}{'facts':>9}{'from draft':>12}"
-        f"{'pauses taken':>14}{'memory':>9}{'drafts kept':>13}",
+        f"{'pauses taken':>14}{'memory':>9}{'drafts kept':>13}{'early':>7}",
     ]
     for name, sm in rows:
         on = sm.get("onset_s") or {}
@@ -469,8 +482,9 @@ def _compare_relay(
             f"{name:<16}{_ms(on.get('p50')):>10}{_ms(on.get('p90')):>8}{on.get('n', 0):>5}{rate(facts):>9}"
             f"{facts.get('wrong_from_draft', '-')!s:>12}{rate(pauses):>14}{rate(memory):>9}"
             f"{sm.get('relay_committed', 0)!s:>6}/{sm.get('relay_drafted', 0)!s:<6}"
+            f"{sm.get('early_answers', 0)!s:>7}"
         )
-    return _save_comparison(Path(args.out), "compare-relay", lines, rows)
+    return _save_comparison(Path(args.out), title, lines, rows)
 
 
 def _compare_tts(

@@ -124,6 +124,7 @@ class Conversation:
             k = await rx.wait(lambda r: r.is_event("turn.latency", turn), start=i, within_s=5.0)
             rec["server_latency_ms"] = dict(rx.log[k].event["stages"])  # type: ignore[index]
             rec["relay"] = dict(rx.log[k].event.get("relay") or {})  # type: ignore[union-attr]
+            rec["early"] = bool(rx.log[k].event.get("early"))  # type: ignore[union-attr]
         rec["ok"] = True
         return rec
 

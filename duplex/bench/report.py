@@ -73,6 +73,12 @@ def format_table(result: dict[str, Any]) -> str:
             f"relay: {s['relay_committed']} of {s['relay_drafted']} answers started by the drafter "
             "(committed prefix)"
         )
+    if s.get("early_answers"):
+        early, late = s["onset_early_s"], s["onset_not_early_s"]
+        lines.append(
+            f"early answers (prepared while the user talked, final transcript agreed): {s['early_answers']}; "
+            f"onset P50 {_ms(early.get('p50'))} with, {_ms(late.get('p50'))} without"
+        )
     lines += format_cases(s)
     rtf = s["rtf"]
     lines.append("")
@@ -231,3 +237,7 @@ def plot_results(result: dict[str, Any], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.0f} ms"

@@ -127,6 +127,10 @@ def _summary(turns: list[dict[str, Any]], barge_ins: list[dict[str, Any]]) -> di
         # answers the relay's drafter started (committed prefix) out of those it drafted for
         "relay_committed": sum(1 for t in ok if (t.get("relay") or {}).get("committed")),
         "relay_drafted": sum(1 for t in ok if t.get("relay")),
+        # answers prepared from a partial transcript while the user talked (session option early_answer)
+        "early_answers": sum(1 for t in ok if t.get("early")),
+        "onset_early_s": percentiles([t["onset_s"] for t in ok if t.get("early")]),
+        "onset_not_early_s": percentiles([t["onset_s"] for t in ok if not t.get("early")]),
     }
     summary["targets"] = {
         "onset_p50_s": {

@@ -121,6 +121,9 @@ class TurnLatency(ServerEvent):
     stages: dict[str, float] = field(default_factory=dict)
     #: what the relay did for this answer: {"committed": bool, "p": verifier score, "draft": text}
     relay: dict[str, Any] = field(default_factory=dict)
+    #: the answer was prepared from the user's words while they still talked (session option
+    #: `early_answer`), and the final transcript said the same words
+    early: bool = False
 
 
 @dataclass(frozen=True)

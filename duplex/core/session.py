@@ -535,6 +535,7 @@ class SessionCore:
             self._decoder_end_of_utterance(seg, out)
             if text and text != seg.partial_text and not seg.ended:
                 seg.partial_text = text
+                self._drop_early_answer(text)
                 self._emit(TranscriptPartial, turn_id=seg.turn_id, text=text)
                 if self.turn_taking and not self.endpointer.paused:
                     self._listen(seg, text, covered, at_pause=False)
@@ -958,7 +959,7 @@ class SessionCore:
         if base is None:
             return
         stages = {k: round(1000 * (resp.marks[k] - base), 1) for k in LATENCY_STAGES if k in resp.marks}
-        self._emit(TurnLatency, turn_id=resp.turn_id, stages=stages, relay=dict(resp.relay))
+        self._emit(TurnLatency, turn_id=resp.turn_id, stages=stages, relay=dict(resp.relay), early=resp.early)
 
     # -- learned turn-taking ---------------------------------------------------------------
 
@@ -980,6 +981,7 @@ class SessionCore:
     def _at_pause(self, seg: Segment) -> None:
         """The user paused and the transcript up to the pause is known."""
         text = seg.spec_final or ""
+        self._drop_early_answer(text)
         if seg.overlap and not text.strip():
             self._resume_playout()  # a cough or a breath over the answer: no words, go on
         if seg.overlap and seg.overlap_class is None:
@@ -988,7 +990,18 @@ class SessionCore:
                 return
             seg.overlap_class = "interruption"
         if seg.decision is None:
-            self._listen(seg, text, seg.spec_at, at_pause=True)
+            resp = self.response
+            if resp is not None and resp.early and seg.slice_probs is not None and seg.slice_probs[0] == text:
+                # the answer was prepared from these very words while they talked: the head's verdict on
+                # them stands, and no listen step stands between the pause and the answer
+                log.info(
+                    "session %s turn %d: the final transcript says what the early answer was prepared from",
+                    self.session_id,
+                    seg.turn_id,
+                )
+                self._decide_turn(seg, text, seg.slice_probs[1])
+            else:
+                self._listen(seg, text, seg.spec_at, at_pause=True)
 
     def _classify_overlap(self, seg: Segment) -> None:
         if not self.turn_taking or not (seg.spec_final or "").strip():
@@ -1003,10 +1016,16 @@ class SessionCore:
         if seg is None or seg.sid != sid:
             return
         seg.listened = text
-        if not at_pause or seg.ended or not self.endpointer.paused or covered < seg.pause_at:
-            return  # a slice while they talk: only the prefill mattered
-        probs = tuple(float(p) for p in out.probs)
-        p_listen, p_bc, p_speak = probs
+        p_listen, p_bc, p_speak = (float(p) for p in out.probs)
+        probs = (p_listen, p_bc, p_speak)
+        if not at_pause:
+            # a slice while they talk: the prefill mattered, and the head's verdict on these words may
+            # let the answer start now
+            seg.slice_probs = (text, probs)
+            self._maybe_answer_early(seg)
+            return
+        if seg.ended or not self.endpointer.paused or covered < seg.pause_at:
+            return
         timings = out.timings
         log.info(
             "session %s turn %d: turn head at pause %.0f ms after it (transcript %.0f ms, listen %.0f ms "
@@ -1019,6 +1038,11 @@ class SessionCore:
             1000 * (self.clock() - job.submitted) - 1000 * timings.get("total_s", 0.0),
             probs,
         )
+        self._decide_turn(seg, text, probs)
+
+    def _decide_turn(self, seg: Segment, text: str, probs: tuple[float, float, float]) -> None:
+        """The turn head's verdict at a pause: speak, backchannel or listen on."""
+        p_listen, p_bc, p_speak = probs
         assert self.stages.policy is not None  # listen jobs run only with turn-taking
         if is_bare_cue(text):
             seg.decision, seg.confident_end = "listen", False
@@ -1041,6 +1065,33 @@ class SessionCore:
             if self.response is None and seg.spec_final and not self._speaking():
                 self._start_response(seg.turn_id, seg.spec_final, committed=False)  # if they stop here
             self._maybe_end_early()
+
+    def _maybe_answer_early(self, seg: Segment) -> None:
+        """Prepare the answer (speculative, held) from the words so far when the turn head is sure they
+        end the turn, so that at the pause the answer is ready if the final transcript agrees."""
+        if not self.options.early_answer or self.stages.policy is None or seg.slice_probs is None:
+            return
+        text, probs = seg.slice_probs
+        if seg.ended or seg.overlap or text != seg.partial_text or not text.strip() or is_bare_cue(text):
+            return
+        if self.response is not None or self._speaking() or self.endpointer.paused:
+            return  # at a pause the usual path (final transcript, turn head) is already under way
+        policy = self.stages.policy
+        if LABELS[policy.decide_turn(probs)] != "speak" or not policy.confident_end(probs):
+            return
+        log.info(
+            "session %s turn %d: preparing the answer to %r while they talk",
+            self.session_id,
+            seg.turn_id,
+            text,
+        )
+        self._start_response(seg.turn_id, text, committed=False).early = True
+
+    def _drop_early_answer(self, text: str) -> None:
+        """Newer words than the early answer was prepared from: it answers the wrong question."""
+        resp = self.response
+        if resp is not None and resp.early and not resp.committed and resp.user_text != text:
+            self.response = None
 
     def _on_overlap(self, job: Job, out: ListenOutput | OverlapOutput | RespondOutput) -> None:
         assert isinstance(out, OverlapOutput), type(out)

@@ -27,6 +27,7 @@ class Response:
     audio_started: bool = False
     marks: dict[str, float] = field(default_factory=dict)
     relay: dict[str, Any] = field(default_factory=dict)  # what the relay did (first LLM step)
+    early: bool = False  # started from a partial transcript while the user still talked
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Segment:
     confident_end: bool = False  # ... and the turn head is sure it is over (predictive end of turn)
     overlap: bool = False  # started while the service was speaking
     overlap_class: str | None = None  # "backchannel", "interruption" or "noise" (no word in it), once known
+    slice_probs: tuple[str, tuple[float, float, float]] | None = None  # the turn head on the last slice
 
     def spec_valid(self) -> bool:
         """The latest transcript covers all audio up to where the speech stopped."""

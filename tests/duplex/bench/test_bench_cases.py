@@ -327,8 +327,16 @@ def test_compare_relay_runs_each_variant_on_one_server(tmp_path) -> None:
     url = server.start()
     args = argparse.Namespace(turns=1, barge_ins=0, out=str(tmp_path))
     try:
-        rc = bench_cli._compare_relay(
-            url, args, tone_synth, {}, 0, "hibari", {"facts": 0, "pauses": 0, "memory": 0}
+        rc = bench_cli._compare_sessions(
+            url,
+            args,
+            tone_synth,
+            {},
+            0,
+            "hibari",
+            {"facts": 0, "pauses": 0, "memory": 0},
+            "compare-relay",
+            bench_cli.RELAY_VARIANTS,
         )
     finally:
         server.stop()
@@ -341,6 +349,52 @@ def test_compare_relay_runs_each_variant_on_one_server(tmp_path) -> None:
     assert all(
         (tmp_path / name / "bench.json").is_file() for name in ("relay-off", "relay-exact", "relay-verifier")
     )
+
+
+def test_compare_early_answers_the_same_plan_with_early_answers_off_then_on(tmp_path) -> None:
+    """--compare-early: with early answers off no answer is prepared while the caller talks; on, the scripted
+    head is sure at the question's last word, so answers are prepared early and counted."""
+    import argparse
+    import dataclasses
+    import json
+
+    from duplex.base.turn_policy import TurnPolicy
+    from duplex.bench import cli as bench_cli
+    from duplex.bench.common import InProcessServer
+    from duplex.testing.fakes import fake_turn_stages
+
+    # the scripted head's 0.9 for a finished question is a sure end with this policy (predictive end of turn)
+    policy = TurnPolicy(
+        speak_threshold=0.5, backchannel_threshold=0.5, take_threshold=0.6, fast_take_threshold=0.85
+    )
+    service = DuplexService(
+        load_profile("cpu"), dataclasses.replace(fake_turn_stages(remembering), policy=policy)
+    )
+    server = InProcessServer(service)
+    url = server.start()
+    args = argparse.Namespace(turns=3, barge_ins=0, out=str(tmp_path))
+    try:
+        rc = bench_cli._compare_sessions(
+            url,
+            args,
+            tone_synth,
+            {},
+            0,
+            "hibari",
+            {"facts": 0, "pauses": 0, "memory": 0},
+            "compare-early",
+            bench_cli.EARLY_VARIANTS,
+        )
+    finally:
+        server.stop()
+        service.close()
+    assert rc == 0
+    early = {
+        name: json.loads((tmp_path / name / "bench.json").read_text())["summary"]["early_answers"]
+        for name in ("early-off", "early-on")
+    }
+    assert early["early-off"] == 0 and early["early-on"] >= 1, early
+    assert "early-on" in (tmp_path / "compare-early.txt").read_text()
 
 
 def test_compare_tts_needs_serve(capsys) -> None:

@@ -9,6 +9,7 @@ through the server in tests/dialogue/test_dialogue_real.py.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -326,3 +327,73 @@ def test_relay_check_option_is_validated():
     assert SessionOptions().with_overrides({"relay_check": "verifier"}).relay_check == "verifier"
     with pytest.raises(ConfigError):
         SessionOptions().with_overrides({"relay_check": "maybe"})
+
+
+SLOW_COSTS = {**COSTS, "asr.final": 0.25, "llm.first": 0.3, "llm.listen": 0.1, "tts": 0.05}
+
+
+def _sure_at_france(text: str) -> tuple[float, float, float]:
+    return (0.02, 0.03, 0.95) if text.split()[-1] == "france" else (0.9, 0.05, 0.05)
+
+
+def _early_core(early: bool) -> tuple[SessionCore, FakeClock, Any]:
+    policy = TurnPolicy(0.5, 0.7, 0.5, take_threshold=0.6, fast_take_threshold=0.9)
+    profile = load_profile("cpu")
+    stages = dataclasses.replace(fake_turn_stages(scripted_answer, turn_fn=_sure_at_france), policy=policy)
+    clock = FakeClock()
+    core = SessionCore(
+        "s1", profile, stages, clock, options=dataclasses.replace(profile.session, early_answer=early)
+    )
+    return core, clock, stages
+
+
+def test_an_answer_prepared_while_they_talk_is_ready_at_the_pause():
+    """The head is sure after "france" while they still talk: the answer's first phrase is made then, and at the
+    pause the final transcript's agreement releases it after the short hangover; nothing else waits."""
+    speech = tone_speech("what is the capital of france")
+    audio = np.concatenate([silence(0.5), speech, silence(3.0)])
+    onset = {}
+    for early in (True, False):
+        core, clock, stages = _early_core(early)
+        result = replay(core, clock, audio, SLOW_COSTS)
+        onset[early] = result.audio_frames()[0].t - (0.5 + len(speech) / SR)
+        latency = result.events("turn.latency")[0]
+        assert latency.early is early
+        assert result.events("response.done")[0].text == "paris is the capital of france"
+        assert decode_tones(result.audio(), 24000) == "paris is the capital of france".split()
+        assert [e.decision for e in result.events("turn.decision")] == ["speak"]
+        # with the early answer the head's verdict on the slice stands: no second listen step at the pause
+        assert stages.llm.listened.count("what is the capital of france") == (1 if early else 2)
+        if early:
+            assert latency.stages["first_llm_token"] <= latency.stages["final_transcript"]
+    # the first phrase (300 ms of model) and the listen step were off the critical path
+    assert onset[False] - onset[True] > 0.3, onset
+
+
+def test_an_early_answer_is_dropped_when_they_go_on():
+    """Sure after "france", but they go on: the prepared answer is dropped unheard and the whole turn answered."""
+    core, clock, stages = _early_core(True)
+    first = tone_speech("what is the capital of france")
+    audio = np.concatenate(
+        [
+            silence(0.5),
+            first,
+            tone_speech("and two plus two"),
+            silence(1.0),
+            tone_speech("france"),
+            silence(3),
+        ]
+    )
+    result = replay(core, clock, audio, SLOW_COSTS)
+    assert [e.text for e in result.events("transcript.final")] == [
+        "what is the capital of france and two plus two france"
+    ]
+    assert len(result.events("response.started")) == 1
+    assert len(stages.llm.relays) == 2  # the model started two answers: the one dropped, the one spoken
+    done = result.events("response.done")
+    assert len(done) == 1 and done[0].text == "paris is the capital of france"
+    assert result.audio_frames()[0].t > 0.5 + (len(first) + len(tone_speech("and two plus two"))) / SR + 1.0
+    # the prepared answer to the first words was never committed to the history
+    assert [m["content"] for m in core.history if m["role"] == "user"] == [
+        "what is the capital of france and two plus two france"
+    ]
