@@ -67,8 +67,11 @@ class SessionOptions:
     asr_end_of_utterance: bool = True
     #: learned turn-taking: when the turn head, reading the user's words while they still talk, is sure
     #: the turn is complete, the answer's first phrase is prepared (held) from those words; at the pause,
-    #: if the final transcript says the same words, the head's verdict and the phrase are ready at once
-    early_answer: bool = True
+    #: if the final transcript says the same words, the head's verdict and the phrase are ready at once.
+    #: Off by default: with Moonshine's partials every 0.5 s the last words are rarely heard before the
+    #: pause (4 of 40 held-out turns), and a prepared answer that misses holds the model when the pause
+    #: needs it (docs/dialogue.md#early-answers)
+    early_answer: bool = False
 
     #: options a client may change with session.start / session.update
     CLIENT_SETTABLE = (

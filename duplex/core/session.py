@@ -990,14 +990,15 @@ class SessionCore:
                 return
             seg.overlap_class = "interruption"
         if seg.decision is None:
-            resp = self.response
-            if resp is not None and resp.early and seg.slice_probs is not None and seg.slice_probs[0] == text:
-                # the answer was prepared from these very words while they talked: the head's verdict on
-                # them stands, and no listen step stands between the pause and the answer
+            if seg.slice_probs is not None and seg.slice_probs[0] == text:
+                # the head read these very words while they talked (and the models hold them): its verdict
+                # stands, and no listen step stands between the pause and the answer
+                resp = self.response
                 log.info(
-                    "session %s turn %d: the final transcript says what the early answer was prepared from",
+                    "session %s turn %d: the final transcript says what the head read last while they talked%s",
                     self.session_id,
                     seg.turn_id,
+                    " (and the early answer was prepared from)" if resp is not None and resp.early else "",
                 )
                 self._decide_turn(seg, text, seg.slice_probs[1])
             else:
