@@ -70,7 +70,7 @@ class SessionOptions:
     #: if the final transcript says the same words, the head's verdict and the phrase are ready at once.
     #: Off by default: with Moonshine's partials every 0.5 s the last words are rarely heard before the
     #: pause (4 of 40 held-out turns), and a prepared answer that misses holds the model when the pause
-    #: needs it (docs/dialogue.md#early-answers)
+    #: needs it (docs/dialogue.md#early-answers-and-the-checked-draft-ninth-session)
     early_answer: bool = False
 
     #: options a client may change with session.start / session.update
