@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from asr.ort_format import ort_to_onnx
+from asr.ort_options import session_options
 from asr.vad import ModelError, package_file
 from duplex.base.audio import SAMPLE_RATE
 from duplex.base.config import ComponentConfig, ConfigError
@@ -120,10 +121,7 @@ class MoonshineModel:
         encoder = package_file(package, f"{MODEL_DIR}/encoder_model.ort", pip_name)
         decoder = package_file(package, f"{MODEL_DIR}/decoder_model_merged.ort", pip_name)
         self.tokens = load_tokenizer(package_file(package, f"{MODEL_DIR}/tokenizer.bin", pip_name))
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.log_severity_level = 3
+        opts = session_options(threads)  # a pool that sleeps between runs (asr/ort_options.py)
         try:
             # as ONNX, not .ort: see asr/ort_format.py (the dequantised weights are folded once: ~3x faster)
             self._encoder = ort.InferenceSession(

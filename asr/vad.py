@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from asr.ort_options import session_options
 from duplex.base.audio import SAMPLE_RATE
 from duplex.base.config import ComponentConfig, ConfigError
 from duplex.base.errors import ModelError  # noqa: F401  (re-exported: asr.vad.ModelError)
@@ -59,11 +60,8 @@ class SileroVadStage:
             import onnxruntime as ort
         except ImportError:
             raise ModelError("the VAD needs onnxruntime: pip install 'onnxruntime>=1.18'") from None
-        opts = ort.SessionOptions()
         # one thread per call: the executor parallelises across calls, and the model is tiny
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.log_severity_level = 3
+        opts = session_options(threads)
         # onnxruntime's run() is thread-safe, so one session serves every session and worker thread
         self._session = ort.InferenceSession(os.fspath(model_path), opts, providers=["CPUExecutionProvider"])
         self._sr = np.array(SAMPLE_RATE, dtype=np.int64)

@@ -231,3 +231,14 @@ def test_time_per_second_of_audio(stage: MoonshineAsrStage) -> None:
         "\nMoonshine: " + ", ".join(f"{a:.2f} s audio -> {c:.3f} s ({c / a:.3f} s per s)" for a, c in results)
     )
     assert sum(c for _, c in results) / sum(a for a, _ in results) < 1.0  # faster than real time
+
+
+def test_its_thread_pools_sleep_between_runs(stage: MoonshineAsrStage) -> None:
+    # a spinning pool steals the cores from the LLM step that follows a transcription (asr/ort_options.py)
+    from asr.ort_options import SPINNING
+
+    model = stage.model
+    for session in (model._encoder, model._decoder):
+        opts = session.get_session_options()
+        assert opts.get_session_config_entry(SPINNING) == "0"
+        assert opts.intra_op_num_threads == 2  # the profile's threads
