@@ -35,6 +35,7 @@ from duplex.core.stages import Stages
 from duplex.runtime.executor import DeviceExecutor
 from duplex.runtime.heap import GcPauses, HeapTrimmer, freeze_loaded
 from duplex.runtime.metrics import Metrics
+from duplex.runtime.openmp import loading_without_pools
 from duplex.runtime.runner import SessionRunner
 from tts.loading import BACKENDS as TTS_BACKENDS
 
@@ -232,9 +233,12 @@ class DuplexService:
         limits: ServiceLimits | None = None,
     ) -> DuplexService:
         profile = load_profile(profile_name)
-        stages = build_stages(profile, progress=progress)
-        if warm:
-            log.info("warm-up: %s", {k: round(v, 3) for k, v in warm_up(stages).items()})
+        # the stages run on the executor's threads: OpenMP pools left on the loading threads would make
+        # every torch parallel region there wait on a futex (duplex/runtime/openmp.py)
+        with loading_without_pools():
+            stages = build_stages(profile, progress=progress)
+            if warm:
+                log.info("warm-up: %s", {k: round(v, 3) for k, v in warm_up(stages).items()})
         t0 = time.perf_counter()
         frozen = freeze_loaded()
         log.info(

@@ -1,0 +1,72 @@
+"""Load the models without leaving OpenMP thread pools behind on the loading threads.
+
+The models load and warm up on the main thread (transformers also converts weights on a helper thread
+pool of its own), and every stage then runs on the executor's worker threads. libgomp keeps a thread
+pool per thread that ever ran a parallel region; with more of its threads alive than cores it stops
+spinning at its barriers ("throttled" waits), so every parallel region of torch on a worker (each
+matmul of each decode step) pays a futex sleep and wake: ~100 µs instead of ~15 µs on this 2-core
+machine, and the dialogue engine's steps ran twice as slowly in the server as in a script (the turn
+head's listen step at a pause 54 vs 30 ms, the first draft 79 vs 38 ms, P50 of 12 turns;
+docs/results/2026-11-27.md#tenth-session). Loading at one intra-op thread makes no pools;
+`omp_pause_resource_all` (OpenMP 5.0) frees whatever the loading thread still holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+from collections.abc import Iterator
+
+log = logging.getLogger("duplex.runtime.openmp")
+
+OMP_PAUSE_SOFT = 1
+
+
+def loaded_libgomp() -> str | None:
+    """Path of the GNU OpenMP runtime this process has loaded (torch's own copy), if any."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if path.startswith("/") and "libgomp" in path.rsplit("/", 1)[-1]:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def release_idle_pools() -> bool:
+    """`omp_pause_resource_all(omp_pause_soft)`: free the calling thread's idle OpenMP pool. True if it
+    ran and succeeded. Call it outside any parallel region."""
+    path = loaded_libgomp()
+    if path is None:
+        return False
+    try:
+        fn = ctypes.CDLL(path).omp_pause_resource_all
+    except (OSError, AttributeError):  # a libgomp older than OpenMP 5.0's pause API
+        log.info("openmp: %s has no omp_pause_resource_all; the loading thread's pool stays", path)
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return bool(fn(OMP_PAUSE_SOFT) == 0)
+
+
+@contextlib.contextmanager
+def loading_without_pools() -> Iterator[None]:
+    """torch at one intra-op thread inside (no OpenMP pool is made on this thread or on the helper
+    threads that load weights); after it, the previous thread count back and this thread's pool freed."""
+    try:
+        import torch
+    except ImportError:  # no torch stage in this process
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        freed = release_idle_pools()
+        log.info(
+            "openmp: models loaded at 1 thread, %d threads from now on (idle pool freed: %s)", before, freed
+        )

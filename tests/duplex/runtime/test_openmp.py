@@ -1,0 +1,55 @@
+"""Models load without leaving OpenMP pools on the loading threads (duplex/runtime/openmp.py).
+
+What it buys is a speed (the engine's steps on a worker thread ~2x faster on a 2-core machine), measured
+in docs/results, not here; these tests pin the mechanism."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from duplex.runtime.openmp import loaded_libgomp, loading_without_pools, release_idle_pools
+
+torch = pytest.importorskip("torch")
+
+
+def test_loading_runs_torch_at_one_thread_then_restores_the_count() -> None:
+    before = torch.get_num_threads()
+    with loading_without_pools():
+        assert torch.get_num_threads() == 1
+        # transformers converts weights on a helper pool: its threads see one thread too
+        with ThreadPoolExecutor(2) as pool:
+            assert pool.submit(torch.get_num_threads).result() == 1
+    assert torch.get_num_threads() == before
+
+
+def test_the_count_is_restored_when_loading_fails() -> None:
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="no weights"), loading_without_pools():
+        raise RuntimeError("no weights")
+    assert torch.get_num_threads() == before
+
+
+def test_the_loading_threads_idle_pool_can_be_freed() -> None:
+    _ = torch.ones(300_000) + 1  # a parallel region: this thread now holds a pool
+    if loaded_libgomp() is None:
+        pytest.skip("torch here does not use GNU OpenMP")
+    assert release_idle_pools()
+    assert float((torch.ones(300_000) + 1).sum()) == 600_000  # a new pool when torch runs again
+
+
+def test_the_service_loads_its_stages_inside_it(monkeypatch) -> None:
+    import duplex.runtime.service as service
+
+    seen: list[int] = []
+
+    def fake_build(profile, progress=True):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("stop after loading")
+
+    monkeypatch.setattr(service, "build_stages", fake_build)
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="stop after loading"):
+        service.DuplexService.load("cpu", progress=False)
+    assert seen == [1] and torch.get_num_threads() == before
