@@ -369,6 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
         "user talks off, then on (OUT/early-*/ and OUT/compare-early.txt)",
     )
     b.add_argument(
+        "--compare-speech-end",
+        action="store_true",
+        help="the same conversation three times on one server: pauses where the VAD's window says, dated "
+        "back to the voice's end, and that plus the final transcript started at the voice's end "
+        "(OUT/vad-window/, OUT/voice-end*/ and OUT/compare-speech-end.txt)",
+    )
+    b.add_argument(
         "--compare-tts",
         default=None,
         metavar="PROFILE",

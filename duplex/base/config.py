@@ -72,6 +72,16 @@ class SessionOptions:
     #: pause (4 of 40 held-out turns), and a prepared answer that misses holds the model when the pause
     #: needs it (docs/dialogue.md#early-answers-and-the-checked-draft-ninth-session)
     early_answer: bool = False
+    #: where the words end, from the voice's energy: the last 10 ms frame within this many dB of the
+    #: turn's loudest. A pause is dated back to it (by at most 96 ms: Silero calls the first quiet
+    #: window 60-100 ms after the last word), so end-of-turn silences count from the words' end.
+    #: 0: the VAD's windows alone (duplex.core.endpointing.speech_end)
+    speech_end_db: int = 35
+    #: the final transcript starts once the voice has been quiet (`speech_end_db`) this long, before the
+    #: VAD calls the pause; a stop consonant's closure costs a transcription the user never waits on.
+    #: 0 (default): at the VAD's pause (`duplex bench --compare-speech-end`: no onset gain, ~1 extra
+    #: transcription per turn; docs/dialogue.md#where-the-words-end)
+    early_final_ms: int = 0
 
     #: options a client may change with session.start / session.update
     CLIENT_SETTABLE = (
@@ -88,6 +98,8 @@ class SessionOptions:
         "relay_check",
         "asr_end_of_utterance",
         "early_answer",
+        "speech_end_db",
+        "early_final_ms",
     )
     _BOOLEAN = ("backchannels", "relay", "asr_end_of_utterance", "early_answer")
 
@@ -106,6 +118,10 @@ class SessionOptions:
             elif key == "relay_check":
                 if value not in ("", "exact", "verifier"):
                     raise ConfigError('relay_check must be "exact", "verifier" or "" (the profile\'s)')
+                clean[key] = value
+            elif key == "speech_end_db":
+                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 60:
+                    raise ConfigError("speech_end_db must be an integer number of decibels in [0, 60]")
                 clean[key] = value
             elif key in self._BOOLEAN:
                 if not isinstance(value, bool):

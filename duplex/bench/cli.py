@@ -135,6 +135,10 @@ def main(args: argparse.Namespace) -> int:
             return _compare_sessions(
                 url, args, synth, options, seed, voice, cases, "compare-early", EARLY_VARIANTS
             )
+        if getattr(args, "compare_speech_end", False):
+            return _compare_sessions(
+                url, args, synth, options, seed, voice, cases, "compare-speech-end", SPEECH_END_VARIANTS
+            )
         if getattr(args, "compare_tts", None):
             return _compare_tts(url, service, args, synth, options, seed, voice, cases)
         result = asyncio.run(
@@ -430,6 +434,13 @@ EARLY_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("early-off", {"early_answer": False}),
     ("early-on", {"early_answer": True}),
 )
+#: `--compare-speech-end`: the pause where the VAD's window says, dated back to the voice's end, and that
+#: plus the final transcript started at the voice's end (duplex.core.endpointing.speech_end)
+SPEECH_END_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("vad-window", {"speech_end_db": 0, "early_final_ms": 0}),
+    ("voice-end", {"speech_end_db": 35, "early_final_ms": 0}),
+    ("voice-end-early-final", {"speech_end_db": 35, "early_final_ms": 40}),
+)
 
 
 def _compare_sessions(
@@ -443,10 +454,11 @@ def _compare_sessions(
     title: str,
     variants: tuple[tuple[str, dict[str, Any]], ...],
 ) -> int:
-    """--compare-relay / --compare-early: the same conversation once per variant of the session options, each
+    """--compare-relay / --compare-early / --compare-speech-end: the same conversation once per variant of the session options, each
     in its own session on the same server; one results folder per variant (OUT/<variant>) and a table of what
     each buys: onset, facts right, wrong facts from a draft, pauses taken, memory, drafts kept, early answers."""
     rows: list[tuple[str, dict[str, Any]]] = []
+    w = max(16, 2 + max(len(name) for name, _ in variants))
     for name, variant in variants:
         print(f"\n== {name}: {variant}", flush=True)
         result = asyncio.run(
@@ -466,7 +478,7 @@ def _compare_sessions(
         rows.append((name, result["summary"]))
     lines = [
         "",
-        f"{'variant':<16}{'onset P50':>10}{'P90':>8}{'n':>5}{'facts':>9}{'from draft':>12}"
+        f"{'variant':<{w}}{'onset P50':>10}{'P90':>8}{'n':>5}{'facts':>9}{'from draft':>12}"
         f"{'pauses taken':>14}{'memory':>9}{'drafts kept':>13}{'early':>7}",
     ]
     for name, sm in rows:
@@ -479,7 +491,7 @@ def _compare_sessions(
             return "-" if not d or d.get(key) is None else f"{100 * d[key]:.0f} %"
 
         lines.append(
-            f"{name:<16}{_ms(on.get('p50')):>10}{_ms(on.get('p90')):>8}{on.get('n', 0):>5}{rate(facts):>9}"
+            f"{name:<{w}}{_ms(on.get('p50')):>10}{_ms(on.get('p90')):>8}{on.get('n', 0):>5}{rate(facts):>9}"
             f"{facts.get('wrong_from_draft', '-')!s:>12}{rate(pauses):>14}{rate(memory):>9}"
             f"{sm.get('relay_committed', 0)!s:>6}/{sm.get('relay_drafted', 0)!s:<6}"
             f"{sm.get('early_answers', 0)!s:>7}"

@@ -10,11 +10,39 @@ A streaming ASR adds a second opinion (`decoder_silence` / `decoder_words`): onc
 heard no word for a while (its end-of-utterance signal), windows count as quiet even where the VAD
 still hears sound (a hum, a breath, a noisy room), so the pause and the end of the turn are timed from
 the last word; only new words from the decoder resume the turn then.
+
+The voice's energy adds a third (`speech_end`): Silero's probability stays near 1.0 to a word's end
+and falls one 32 ms window later, so the first quiet window is declared 60-100 ms after the last word.
+The pause is dated back to the last 10 ms frame within `speech_end_db` of the turn's loudest (at most
+`max_backdate` samples back), so the hangover counts from where the words end. In a room whose noise
+is within that range of the voice no frame is quiet and nothing moves.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
+
+FRAME = 160  # 10 ms at 16 kHz: the grain of `speech_end`
+
+
+def speech_end(audio: np.ndarray, base: int, start: int, until: int, below_peak_db: float) -> int | None:
+    """Where the voice's energy ends: the stream index just past the last 10 ms frame in
+    [`start`, `until`) whose RMS is within `below_peak_db` of the loudest frame there. `audio` holds
+    the stream's samples from index `base` on (frames are aligned to `start`). None when the span
+    holds no complete frame or only digital silence."""
+    lo = max(start, base)
+    n = (until - lo) // FRAME
+    if n <= 0 or until > base + len(audio):
+        return None
+    x = np.asarray(audio[lo - base : lo - base + n * FRAME], dtype=np.float64).reshape(n, FRAME)
+    rms = np.sqrt((x * x).mean(axis=1))
+    peak = float(rms.max())
+    if peak <= 0.0:
+        return None
+    loud = np.flatnonzero(rms >= peak * 10.0 ** (-abs(below_peak_db) / 20.0))
+    return lo + (int(loud[-1]) + 1) * FRAME
 
 
 @dataclass(frozen=True)
@@ -38,9 +66,12 @@ class Endpointer:
     pause_sample: int = 0
     speech_samples: int = 0  # loud samples since the segment started
     decoder_quiet_since: int | None = None  # the ASR decoder's last word ended here and none followed
+    max_backdate: int = 0  # samples a pause may be dated back to the voice's end (`speech_end`)
 
-    def feed(self, window_end: int, prob: float, window: int) -> list[Edge]:
-        """Consume one VAD window (ending at `window_end`); return the decisions it causes."""
+    def feed(self, window_end: int, prob: float, window: int, voice_end: int | None = None) -> list[Edge]:
+        """Consume one VAD window (ending at `window_end`); return the decisions it causes.
+        `voice_end` (from `speech_end`, optional): where the voice's energy ended, to date a pause
+        this window declares back to (by at most `max_backdate` samples)."""
         edges: list[Edge] = []
         if not self.in_speech:
             if prob >= self.threshold:
@@ -66,6 +97,9 @@ class Endpointer:
             self.pause_sample = window_end - window
             if self.decoder_quiet_since is not None:
                 self.pause_sample = min(self.decoder_quiet_since, self.pause_sample)  # at the last word
+            elif voice_end is not None and self.max_backdate > 0:
+                earliest = max(self.start_sample, self.pause_sample - self.max_backdate)
+                self.pause_sample = max(earliest, min(self.pause_sample, voice_end))
             self.run = window_end - window - self.pause_sample
             edges.append(Edge("pause", self.pause_sample))
         self.run += window

@@ -45,7 +45,7 @@ from duplex.base.messages import (
 from duplex.base.phrases import first_phrase_ready
 from duplex.base.stage import IncrementalStage, RestartableStage
 from duplex.base.turn_policy import LABELS
-from duplex.core.endpointing import Edge, Endpointer
+from duplex.core.endpointing import Edge, Endpointer, speech_end
 from duplex.core.events import (
     CLIENT_INPUT_CLEAR,
     CLIENT_INPUT_END,
@@ -80,6 +80,7 @@ log = logging.getLogger("duplex.core.session")
 
 
 FRAME_SECONDS = 0.04  # output audio frame length
+MAX_BACKDATE_MS = 96  # a pause dated back to the voice's end moves by at most this (Silero's lag, measured)
 
 
 class SessionCore:
@@ -262,6 +263,7 @@ class SessionCore:
         self.options = self.options.with_overrides(overrides)
         self.endpointer.threshold = self.options.vad_threshold
         self.endpointer.end_silence = int(SR * self._hangover_ms() / 1000)
+        self.endpointer.max_backdate = self._max_backdate()
 
     def update_options(self, overrides: dict[str, Any]) -> None:
         """`session.update`: apply the deltas, answer with session.updated or an error event."""
@@ -356,7 +358,32 @@ class SessionCore:
             off_threshold=o.vad_off_threshold,
             min_speech=int(SR * o.min_speech_ms / 1000),
             end_silence=int(SR * self._hangover_ms() / 1000),
+            max_backdate=self._max_backdate(),
         )
+
+    def _max_backdate(self) -> int:
+        return int(SR * MAX_BACKDATE_MS / 1000) if self.options.speech_end_db > 0 else 0
+
+    def _voice_end(self, window_end: int) -> int | None:
+        """Where the voice's energy ended in the open segment, up to `window_end` (None: no segment,
+        the option is off, or the audio is gone from the recent buffer)."""
+        seg, db = self.segment, self.options.speech_end_db
+        if seg is None or seg.ended or db <= 0 or not self.endpointer.in_speech or self.endpointer.paused:
+            return None
+        return speech_end(self._recent, self._recent_base, seg.start_sample, window_end, db)
+
+    def _maybe_early_final(self, window_end: int, voice_end: int | None) -> None:
+        """The voice has been quiet for `early_final_ms` though the VAD still hears speech: start the
+        final transcript now (once per quiet stretch), so it is ready when the VAD calls the pause."""
+        seg, ms = self.segment, self.options.early_final_ms
+        if ms <= 0 or voice_end is None or seg is None or seg.ended or self.endpointer.paused:
+            return
+        if window_end - voice_end < SR * ms / 1000:
+            return
+        if seg.early_final_at is not None and seg.early_final_at >= voice_end:
+            return  # this quiet stretch has had its transcription
+        seg.early_final_at = voice_end
+        self._submit_final(seg)
 
     def _submit_vad(self) -> None:
         if "vad" in self._busy or not self._vad_pending or self.closed:
@@ -369,8 +396,12 @@ class SessionCore:
         self._vad_state = state
         window = 512
         for window_end, prob in out:
-            for edge in self.endpointer.feed(int(window_end), float(prob), window):
+            # only a window that may declare a pause needs it (or the early final, when on)
+            quiet = prob < self.endpointer.off_threshold or self.options.early_final_ms > 0
+            voice_end = self._voice_end(int(window_end)) if quiet else None
+            for edge in self.endpointer.feed(int(window_end), float(prob), window, voice_end):
                 self._on_edge(edge)
+            self._maybe_early_final(int(window_end), voice_end)
             if self.endpointer.in_speech and not self.endpointer.paused:
                 self._check_barge_in()
         self._maybe_end_early()

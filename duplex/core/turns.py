@@ -47,6 +47,7 @@ class Segment:
     spec_at: int = -1  # total_samples that transcript covers
     spec_ready: float = 0.0  # when it arrived
     pause_at: int = 0  # total_samples at the current pause (speech end so far)
+    early_final_at: int | None = None  # stream sample of the voice's end an early final was started for
     ended: bool = False
     last_partial_cost: float = 0.0
     marks: dict[str, float] = field(default_factory=dict)
