@@ -73,6 +73,7 @@ from duplex.core.events import (
 )
 from duplex.core.jobs import Job
 from duplex.core.playout import Playout, heard_within
+from duplex.core.recent import RecentAudio
 from duplex.core.stages import Stages
 from duplex.core.turns import Response, Segment
 
@@ -133,8 +134,8 @@ class SessionCore:
         # input audio timeline
         self.samples_in = 0
         self._arrivals: list[tuple[int, float]] = []  # (sample index at end of a frame, arrival time)
-        self._recent = np.zeros(0, dtype=np.float32)  # last few seconds of input, for pre-roll
-        self._recent_base = 0  # sample index of _recent[0]
+        self._recent_audio = RecentAudio(int(SR * 3))  # last few seconds of input, for pre-roll
+        self._arrival_ends: list[int] = []  # the sample indices of _arrivals, for bisect
         self.segment: Segment | None = None
         self.response: Response | None = None
         self._finished_response: Response | None = None  # still playing out after completion
@@ -163,11 +164,11 @@ class SessionCore:
         now = self.clock()
         self.samples_in += x.size
         self._arrivals.append((self.samples_in, now))
+        self._arrival_ends.append(self.samples_in)
         if len(self._arrivals) > 4000:
             del self._arrivals[:2000]
-        keep = int(SR * 3)
-        self._recent = np.concatenate([self._recent, x])[-keep:]
-        self._recent_base = self.samples_in - self._recent.size
+            del self._arrival_ends[:2000]
+        self._recent_audio.append(x)
         if self.segment is not None and not self.segment.ended:
             self.segment.audio.append(x)
             self.segment.pending.append(x)
@@ -370,7 +371,8 @@ class SessionCore:
         seg, db = self.segment, self.options.speech_end_db
         if seg is None or seg.ended or db <= 0 or not self.endpointer.in_speech or self.endpointer.paused:
             return None
-        return speech_end(self._recent, self._recent_base, seg.start_sample, window_end, db)
+        recent = self._recent_audio
+        return speech_end(recent.samples, recent.base, seg.start_sample, window_end, db)
 
     def _maybe_early_final(self, window_end: int, voice_end: int | None) -> None:
         """The voice has been quiet for `early_final_ms` though the VAD still hears speech: start the
@@ -455,8 +457,9 @@ class SessionCore:
         self.turn_id += 1
         if self.response is not None and not self.response.committed:
             self.response = None  # a speculation from before; the user is talking again
-        first = max(start_sample - int(SR * self.options.pre_roll_ms / 1000), self._recent_base)
-        audio = self._recent[first - self._recent_base :].copy()
+        recent = self._recent_audio
+        first = max(start_sample - int(SR * self.options.pre_roll_ms / 1000), recent.base)
+        audio = recent.samples[first - recent.base :].copy()
         seg = Segment(
             sid=next(self._sids),
             turn_id=self.turn_id,
@@ -979,8 +982,7 @@ class SessionCore:
 
     def _arrival_time(self, sample: int) -> float:
         """Clock time at which input sample `sample` arrived (the frame that carried it)."""
-        ends = [end for end, _ in self._arrivals]
-        i = bisect.bisect_right(ends, sample)
+        i = bisect.bisect_right(self._arrival_ends, sample)
         if i >= len(self._arrivals):
             return self._arrivals[-1][1] if self._arrivals else self.clock()
         return self._arrivals[i][1]
