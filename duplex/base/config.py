@@ -75,8 +75,9 @@ class SessionOptions:
     #: where the words end, from the voice's energy: the last 10 ms frame within this many dB of the
     #: turn's loudest. A pause is dated back to it (by at most 96 ms: Silero calls the first quiet
     #: window 60-100 ms after the last word), so end-of-turn silences count from the words' end.
-    #: 0: the VAD's windows alone (duplex.core.endpointing.speech_end)
-    speech_end_db: int = 35
+    #: 0 (default): the VAD's windows alone (duplex.core.endpointing.speech_end). 35 took 23-57 ms off the
+    #: onset's P90 live, but split turns at short pauses in four real-model tests: off until that is studied
+    speech_end_db: int = 0
     #: the final transcript starts once the voice has been quiet (`speech_end_db`) this long, before the
     #: VAD calls the pause; a stop consonant's closure costs a transcription the user never waits on.
     #: 0 (default): at the VAD's pause (`duplex bench --compare-speech-end`: no onset gain, ~1 extra

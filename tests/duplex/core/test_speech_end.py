@@ -181,7 +181,7 @@ def test_the_turn_is_timed_from_the_words_end_not_the_vads_lag():
     speech = tones("what is the capital of france")
     voice_end = 0.5 + len(speech) / SR - 0.05  # tone_speech ends with a 50 ms gap
     audio = np.concatenate([silence(0.5), speech, silence(3.0)])
-    new, _ = run(audio)
+    new, _ = run(audio, speech_end_db=35)
     old, _ = run(audio, speech_end_db=0, early_final_ms=0)
     for r in (new, old):
         assert [e.text for e in r.events("transcript.final")] == ["what is the capital of france"]
@@ -200,7 +200,7 @@ def test_the_final_starts_before_the_vad_calls_the_pause_and_serves_at_it():
     speech = tones("what is the capital of france")
     voice_end = 0.5 + len(speech) / SR - 0.05
     audio = np.concatenate([silence(0.5), speech, silence(3.0)])
-    result, asr = run(audio, early_final_ms=40)
+    result, asr = run(audio, speech_end_db=35, early_final_ms=40)
     vad_pause = voice_end + LAG_WINDOWS * 512 / SR
     early = [t for t in asr.finals if voice_end < t < vad_pause]
     assert early, f"no final before the VAD's pause: {asr.finals}"
@@ -217,7 +217,7 @@ def test_quiet_gaps_inside_a_turn_cost_transcriptions_not_the_turn():
     for i, w in enumerate(words):
         parts += [tones(w), silence(0.06 if i % 2 else 0.08)]
     parts.append(silence(3.0))
-    result, _ = run(np.concatenate(parts), early_final_ms=40)
+    result, _ = run(np.concatenate(parts), speech_end_db=35, early_final_ms=40)
     assert [e.text for e in result.events("transcript.final")] == ["what is the capital of france"]
     assert len(result.events("response.started")) == 1
     assert [d.decision for d in result.events("turn.decision")][-1] == "speak"
@@ -225,7 +225,7 @@ def test_quiet_gaps_inside_a_turn_cost_transcriptions_not_the_turn():
 
 def test_the_options_are_validated_and_settable_per_session():
     opts = load_profile("cpu").session
-    assert opts.speech_end_db == 35 and opts.early_final_ms == 0
+    assert opts.speech_end_db == 0 and opts.early_final_ms == 0
     assert opts.with_overrides({"speech_end_db": 0, "early_final_ms": 0}).speech_end_db == 0
     for bad in ({"speech_end_db": 61}, {"speech_end_db": -1}, {"speech_end_db": 3.5}, {"early_final_ms": -5}):
         try:
