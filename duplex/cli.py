@@ -55,7 +55,11 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         base = load_limits()
         limits = ServiceLimits(**vars(base)).with_overrides(
-            {"bulk_workers": args.workers, **{name: getattr(args, name, None) for name in LIMIT_FLAGS}}
+            {
+                "bulk_workers": args.workers,
+                "llm_process": False if args.llm_in_process else None,
+                **{name: getattr(args, name, None) for name in LIMIT_FLAGS},
+            }
         )
     except ConfigError as exc:
         print(f"duplex serve: limits: {exc}", file=sys.stderr)
@@ -190,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="bulk executor worker threads (ASR/LLM/TTS; models.yaml limits.bulk_workers)",
+    )
+    s.add_argument(
+        "--llm-in-process",
+        action="store_true",
+        help="run the dialogue engine in the server's own process (models.yaml limits.llm_process: false); "
+        "by default it has a process of its own, away from the event loop's GIL",
     )
     s.add_argument(
         "--api-key",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 
 import numpy as np
 import pytest
@@ -165,3 +166,15 @@ async def test_context_is_kept_across_turns(live, say):
         await stream(ws, np.concatenate([say("What is my name?"), silence(1.0)]))
         second = await listener.wait_for("response.done", count=2, limit_s=60)
         assert "anna" in second["text"].lower(), second["text"]
+
+
+def test_the_dialogue_engine_runs_in_a_process_of_its_own(live) -> None:
+    # limits.llm_process (default): the engine's steps do not wait for the event loop's GIL
+    from duplex.runtime.stage_process import StageProcess
+
+    llm = live.service.stages.llm
+    assert isinstance(llm, StageProcess) and llm.alive() and llm.pid != os.getpid()
+    assert live.service.stages.policy is not None  # its turn policy came across
+    stats = live.service.stats()["process"]
+    assert stats["model_process_rss_mb"] > 100  # the two LLMs' weights live there
+    assert stats["rss_mb"] > stats["model_process_rss_mb"]

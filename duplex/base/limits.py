@@ -70,6 +70,9 @@ class ServerLimits:
     # executor worker threads for the bulk stages (ASR, LLM, TTS); with one, a caller's transcription waits
     # behind another's LLM step; 2 with the cpu-multi profile serve several callers better (docs/operations.md)
     bulk_workers: int = 1
+    # the dialogue engine (both LLMs, the turn heads, the verifier) runs in a process of its own, so its steps
+    # do not wait for the GIL the event loop holds (duplex/runtime/stage_process.py); false: in this process
+    llm_process: bool = True
 
     def with_overrides(self, overrides: dict[str, Any]) -> ServerLimits:
         """These limits with some replaced; unknown names or non-positive values raise ConfigError."""
@@ -82,6 +85,11 @@ class ServerLimits:
                 raise ConfigError(f"unknown limit {key!r}; known: {', '.join(names)}")
             if key == "max_sessions" and value == "auto":
                 clean["max_sessions_auto"] = True
+                continue
+            if names[key].type in ("bool", bool):
+                if not isinstance(value, bool):
+                    raise ConfigError(f"limit {key} must be true or false, got {value!r}")
+                clean[key] = value
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"limit {key} must be a positive number, got {value!r}")

@@ -37,6 +37,7 @@ from duplex.runtime.heap import GcPauses, HeapTrimmer, freeze_loaded
 from duplex.runtime.metrics import Metrics
 from duplex.runtime.openmp import loading_without_pools
 from duplex.runtime.runner import SessionRunner
+from duplex.runtime.stage_process import StageProcess, by_name
 from tts.loading import BACKENDS as TTS_BACKENDS
 
 log = logging.getLogger("duplex.runtime.service")
@@ -46,10 +47,10 @@ class CapacityError(RuntimeError):
     """The service already holds its maximum number of sessions."""
 
 
-def build_stages(profile: Profile, progress: bool = True) -> Stages:
-    """Load the real stages a profile names (this imports the model packages)."""
+def build_stages(profile: Profile, progress: bool = True, llm_process: StageProcess | None = None) -> Stages:
+    """Load the real stages a profile names (this imports the model packages). With `llm_process` (started
+    by `start_llm_process`) the dialogue engine is the one that process loads meanwhile."""
     from asr.vad import load_vad_stage
-    from dialogue.engine import load_dialogue_stage
     from tts.loading import load_tts
 
     backends = {name: c.backend for name, c in profile.components.items()}
@@ -70,8 +71,14 @@ def build_stages(profile: Profile, progress: bool = True) -> Stages:
     vad = load_vad_stage(profile.component("vad"))
     asr = load_asr(profile.component("asr"))
     tts = load_tts(profile.component("tts"))
-    drafter = profile.components.get("drafter")
-    llm = load_dialogue_stage(profile.component("llm"), drafter, progress=progress)
+    if llm_process is not None:
+        llm: Any = llm_process.wait_ready()
+    else:
+        from dialogue.engine import load_dialogue_stage
+
+        llm = load_dialogue_stage(
+            profile.component("llm"), profile.components.get("drafter"), progress=progress
+        )
     log.info("stages loaded in %.1f s", time.perf_counter() - t0)
     return Stages(
         vad=vad,
@@ -82,6 +89,19 @@ def build_stages(profile: Profile, progress: bool = True) -> Stages:
         policy=llm.policy if llm.listens else None,
         # the first step decodes until the TTS can speak (its first phrase), not a fixed token count
         phrase_words=int(tts.segmenter.first_phrase_words),
+    )
+
+
+def start_llm_process(profile: Profile, progress: bool = True) -> StageProcess:
+    """Start loading the profile's dialogue engine in a process of its own (`limits.llm_process`): its steps
+    then no longer wait for the event loop's GIL (duplex/runtime/stage_process.py)."""
+    # the components are checked here, where a bad profile fails at once with the usual error
+    profile.component("llm")
+    return StageProcess(
+        by_name,
+        ("dialogue.engine:load_dialogue_stage", profile.component("llm"), profile.components.get("drafter")),
+        {"progress": progress},
+        name="llm",
     )
 
 
@@ -124,6 +144,21 @@ def warm_up(stages: Stages) -> dict[str, float]:
     stages.tts.step(stages.tts.init_state(), TtsInput("Hello there.", True))
     times["tts"] = time.perf_counter() - t
     return times
+
+
+def _children_memory(proc: Any) -> dict[str, int]:
+    """RSS and peak RSS (bytes) of this process's children (the model process), summed."""
+    rss = peak = 0
+    for child in proc.children():
+        try:
+            rss += child.memory_info().rss
+            with open(f"/proc/{child.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        peak += int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            continue  # it exited meanwhile
+    return {"rss": rss, "peak": peak}
 
 
 @dataclass(frozen=True)
@@ -235,10 +270,20 @@ class DuplexService:
         profile = load_profile(profile_name)
         # the stages run on the executor's threads: OpenMP pools left on the loading threads would make
         # every torch parallel region there wait on a futex (duplex/runtime/openmp.py)
-        with loading_without_pools():
-            stages = build_stages(profile, progress=progress)
-            if warm:
-                log.info("warm-up: %s", {k: round(v, 3) for k, v in warm_up(stages).items()})
+        llm_process = None
+        if (limits or ServiceLimits()).llm_process:
+            llm_process = start_llm_process(profile, progress=progress)
+        try:
+            with loading_without_pools():
+                stages = build_stages(profile, progress=progress, llm_process=llm_process)
+                if warm:
+                    log.info("warm-up: %s", {k: round(v, 3) for k, v in warm_up(stages).items()})
+        except BaseException:
+            if llm_process is not None:
+                llm_process.close()
+            raise
+        if llm_process is not None:
+            llm_process.disconnect()  # the warm-up's thread there ends; the executor's workers connect anew
         t0 = time.perf_counter()
         frozen = freeze_loaded()
         log.info(
@@ -331,6 +376,9 @@ class DuplexService:
 
         proc = psutil.Process()
         cpu = proc.cpu_times()
+        rss = proc.memory_info().rss
+        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        children = _children_memory(proc)
         return {
             **self.health(),
             "executor": self.executor.stats(),
@@ -342,8 +390,10 @@ class DuplexService:
             "process": {
                 "cpu_user_s": round(cpu.user, 3),
                 "cpu_system_s": round(cpu.system, 3),
-                "rss_mb": round(proc.memory_info().rss / 2**20, 1),
-                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                # with the model process's (the dialogue engine's caches live there)
+                "rss_mb": round((rss + children["rss"]) / 2**20, 1),
+                "peak_rss_mb": round((peak_kb * 1024 + children["peak"]) / 2**20, 1),
+                "model_process_rss_mb": round(children["rss"] / 2**20, 1),
                 "threads": proc.num_threads(),
                 "asyncio_tasks": _asyncio_tasks(),
             },
@@ -355,3 +405,5 @@ class DuplexService:
         self.heap.close()
         self.gc_pauses.remove()
         self.executor.close()
+        if isinstance(self.stages.llm, StageProcess):
+            self.stages.llm.close()

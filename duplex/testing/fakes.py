@@ -8,6 +8,7 @@ discrete-event simulation: a whole conversation replays deterministically, faste
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -355,3 +356,50 @@ def fake_turn_stages(
         policy=TurnPolicy(speak_threshold=0.5, backchannel_threshold=0.5),
         backchannel_text="yes",
     )
+
+
+@dataclass
+class CounterState:
+    total: int = 0
+    steps: int = 0
+
+
+class CounterStage(SequentialBatchMixin[CounterState, Any, int]):
+    """A stage for the stage-process tests: adds each integer chunk to its state's total and returns the
+    total. The chunks "raise", "exit" and "unpicklable" make it raise, end its process, or raise an
+    exception that cannot be pickled; "pid" returns its process id."""
+
+    kind = "counter"
+
+    def __init__(self, start: int = 0) -> None:
+        self.start = start
+        self.listens = True
+
+    def init_state(self) -> CounterState:
+        return CounterState(self.start)
+
+    def step(self, state: CounterState, chunk: Any) -> tuple[int, CounterState]:
+        if chunk == "raise":
+            raise ValueError("the counter was asked to fail")
+        if chunk == "exit":
+            os._exit(3)
+        if chunk == "unpicklable":
+            raise _Unpicklable(lambda: None)
+        if chunk == "pid":
+            return os.getpid(), state
+        state.total += int(chunk)  # in place, as the dialogue engine updates its caches
+        state.steps += 1
+        return state.total, state
+
+
+class _Unpicklable(Exception):
+    def __init__(self, fn: Callable[[], None]) -> None:
+        super().__init__("holds a lambda")
+        self.fn = fn
+
+
+def counter_stage(start: int = 0, fail_to_load: bool = False) -> CounterStage:
+    """The factory a StageProcess test spawns (module-level, so the child can import it)."""
+    if fail_to_load:
+        raise RuntimeError("the counter's weights are missing")
+    return CounterStage(start)

@@ -44,12 +44,35 @@ def test_the_service_loads_its_stages_inside_it(monkeypatch) -> None:
 
     seen: list[int] = []
 
-    def fake_build(profile, progress=True):
+    def fake_build(profile, progress=True, llm_process=None):
         seen.append(torch.get_num_threads())
         raise RuntimeError("stop after loading")
 
     monkeypatch.setattr(service, "build_stages", fake_build)
     before = torch.get_num_threads()
     with pytest.raises(RuntimeError, match="stop after loading"):
-        service.DuplexService.load("cpu", progress=False)
+        service.DuplexService.load("cpu", progress=False, limits=service.ServiceLimits(llm_process=False))
     assert seen == [1] and torch.get_num_threads() == before
+
+
+def test_a_failed_load_ends_the_llm_process_it_started(monkeypatch) -> None:
+    import duplex.runtime.service as service
+
+    class Started:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    started = Started()
+    given: list[object] = []
+
+    def fake_build(profile, progress=True, llm_process=None):
+        given.append(llm_process)
+        raise RuntimeError("the voice is missing")
+
+    monkeypatch.setattr(service, "start_llm_process", lambda profile, progress=True: started)
+    monkeypatch.setattr(service, "build_stages", fake_build)
+    with pytest.raises(RuntimeError, match="voice is missing"):
+        service.DuplexService.load("cpu", progress=False)
+    assert given == [started] and started.closed

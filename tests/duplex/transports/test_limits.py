@@ -237,3 +237,13 @@ async def test_sessions_in_total(limited) -> None:
             async with connect(url(limited, "/v1/realtime")):
                 pass
         assert err.value.response.status_code == 503
+
+
+def test_a_true_or_false_limit_takes_only_true_or_false() -> None:
+    from duplex.base.config import ConfigError
+    from duplex.base.limits import ServerLimits
+
+    assert ServerLimits().llm_process is True
+    assert ServerLimits().with_overrides({"llm_process": False}).llm_process is False
+    with pytest.raises(ConfigError, match="true or false"):
+        ServerLimits().with_overrides({"llm_process": 0})

@@ -1,0 +1,472 @@
+"""A stage in a process of its own: the dialogue engine away from the event loop's GIL.
+
+In one process, the event loop (WebSocket frames, PCM decoding, the session cores, ~35 % of a core per
+caller) and the executor's worker running the dialogue engine share one GIL. The engine's decoder
+releases the GIL around every torch op and has to take it back after each; py-spy on a live server
+found the worker waiting for it ~30 % of its listen and draft time, and the engine's steps ran about
+twice as long as the same calls in a script (listen at a pause ~60 vs ~30 ms, the first draft ~90 vs
+~40 ms; docs/results/2026-11-27.md). In a process of its own the stage has its own interpreter.
+
+`StageProcess(factory, args, kwargs)` spawns a child (multiprocessing "spawn": nothing of the parent's
+threads or OpenMP pools is inherited) that builds the stage with `factory(*args, **kwargs)` and serves
+its steps over Unix-socket connections, one connection and one child thread per calling thread, so two
+executor workers step it at once as they would in one process. The object itself is the stage the
+executor and the session cores use:
+
+- the per-session states stay in the child. `init_state()` returns a `RemoteState` handle; every step's
+  new state comes back as a new handle (a stage that updates its state in place gives two handles to one
+  object there, as in one process); a handle the parent drops is freed in the child with the next request;
+- the attributes the parent reads (`kind`, `policy`, `listens`) are copied once, when the child is ready;
+- an exception the stage raises is raised here (a `RuntimeError` with its text when it cannot be pickled),
+  so the executor re-runs a failed batch job by job as for any stage;
+- a child that dies (killed, out of memory, a crash in native code) fails the steps in flight with
+  `StageProcessDied`; the next step starts a new child (at most `max_restarts` times). The states of
+  the dead child are gone: a step on one of them fails with `StateLost`, and the session core reports it
+  as a failed stage job for that session only;
+- the child exits when the parent closes it or goes away (a lifeline pipe it reads).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection as mpc
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+log = logging.getLogger("duplex.runtime.stage_process")
+
+#: attributes of the stage the parent reads
+DEFAULT_ATTRIBUTES = ("kind", "policy", "listens")
+
+
+class StageProcessError(RuntimeError):
+    """The stage could not be started in its process (it failed to load, or the child exited)."""
+
+
+class StageProcessDied(RuntimeError):
+    """The stage's process exited while a step was in flight (or could not be restarted)."""
+
+
+class StateLost(RuntimeError):
+    """A state handle whose state lived in a process that has since died."""
+
+
+class RemoteState:
+    """A session's state of a stage that lives in another process: an id there."""
+
+    __slots__ = ("id", "generation", "fresh", "__weakref__")
+
+    def __init__(self, state_id: int, generation: int, fresh: bool) -> None:
+        self.id = state_id
+        self.generation = generation
+        self.fresh = fresh  # from init_state(): the child makes the state on first use
+
+    def __repr__(self) -> str:
+        return f"RemoteState(id={self.id}, generation={self.generation}{', fresh' if self.fresh else ''})"
+
+
+class StageProcess:
+    """A streaming stage served by a child process (see the module's docstring)."""
+
+    def __init__(
+        self,
+        factory: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        name: str = "stage",
+        attributes: Sequence[str] = DEFAULT_ATTRIBUTES,
+        max_restarts: int = 3,
+        start: bool = True,
+    ) -> None:
+        self.name = name
+        self._factory = factory
+        self._args = tuple(args)
+        self._kwargs = dict(kwargs or {})
+        self._attributes = tuple(attributes)
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.generation = 0
+        self._info: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._ids = itertools.count(1)
+        self._freed: collections.deque[int] = collections.deque()
+        self._process: Any = None
+        self._lifeline: Any = None
+        self._address = ""
+        self._authkey = b""
+        self._dir: str | None = None
+        self._ready = False
+        self._closed = False
+        self._broken = 0  # a generation whose connection broke: the next step starts a new child
+        self._conns: list[Any] = []  # every connection made, so close() can close them all
+        if start:
+            self.start()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn the child; it builds the stage while the caller goes on (`wait_ready` waits for it)."""
+        with self._lock:
+            self._start_locked()
+
+    def _start_locked(self) -> None:
+        self.generation += 1
+        self._ready = False
+        self._dir = tempfile.mkdtemp(prefix=f"duplex-{self.name}-")
+        self._address = os.path.join(self._dir, "sock")
+        self._authkey = os.urandom(16)
+        ctx = multiprocessing.get_context("spawn")
+        parent_end, child_end = ctx.Pipe()
+        self._lifeline = parent_end
+        self._process = ctx.Process(
+            target=_child_main,
+            name=f"duplex-{self.name}",
+            args=(
+                self._factory,
+                self._args,
+                self._kwargs,
+                self._attributes,
+                self._address,
+                self._authkey,
+                child_end,
+                logging.getLogger().getEffectiveLevel(),
+            ),
+            daemon=True,
+        )
+        self._process.start()
+        child_end.close()
+        log.info("%s: process %d starting (generation %d)", self.name, self._process.pid, self.generation)
+
+    def wait_ready(self, timeout_s: float | None = None) -> StageProcess:
+        """Block until the child has built the stage; raise `StageProcessError` if it could not."""
+        with self._lock:
+            self._wait_ready_locked(timeout_s)
+        return self
+
+    def _wait_ready_locked(self, timeout_s: float | None) -> None:
+        if self._ready:
+            return
+        if self._process is None:
+            raise StageProcessError(f"{self.name}: the process was not started")
+        t0 = time.perf_counter()
+        if not self._lifeline.poll(timeout_s):
+            raise StageProcessError(f"{self.name}: the process did not load the stage within {timeout_s} s")
+        try:
+            kind, payload = self._lifeline.recv()
+        except (EOFError, OSError):
+            self._process.join(5.0)
+            raise StageProcessError(
+                f"{self.name}: the process exited while loading the stage (exit code {self._process.exitcode})"
+            ) from None
+        if kind != "ready":
+            self._process.join(5.0)
+            raise StageProcessError(f"{self.name}: the stage failed to load in its process:\n{payload}")
+        self._info = dict(payload)
+        self._ready = True
+        log.info(
+            "%s: process %d ready in %.1f s (waited)", self.name, self._process.pid, time.perf_counter() - t0
+        )
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End the child (it exits when its lifeline closes; terminated if it does not) and clean up."""
+        with self._lock:
+            self._closed = True
+            self._stop_locked(timeout_s)
+
+    def _stop_locked(self, timeout_s: float) -> None:
+        for conn in self._conns:
+            try:
+                conn.close()
+            except OSError:
+                pass
+        self._conns = []
+        if self._lifeline is not None:
+            try:
+                self._lifeline.close()
+            except OSError:
+                pass
+            self._lifeline = None
+        if self._process is not None:
+            self._process.join(timeout_s)
+            if self._process.is_alive():
+                self._process.terminate()
+                self._process.join(timeout_s)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(timeout_s)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    # -- the stage contract ------------------------------------------------------------------
+
+    def __getattr__(self, attr: str) -> Any:
+        # only called for attributes not found normally: the stage's, copied when the child was ready
+        info = self.__dict__.get("_info")
+        if info is not None and attr in info:
+            return info[attr]
+        raise AttributeError(attr)
+
+    def init_state(self) -> RemoteState:
+        return self._handle(fresh=True)
+
+    def step(self, state: RemoteState, chunk: Any) -> tuple[Any, RemoteState]:
+        return self.step_batch([(state, chunk)])[0]
+
+    def step_batch(self, items: Sequence[tuple[RemoteState, Any]]) -> list[tuple[Any, RemoteState]]:
+        conn, generation = self._connection()
+        for state, _ in items:
+            if not isinstance(state, RemoteState):
+                raise TypeError(f"{self.name}: not a state of this stage: {type(state).__name__}")
+            if state.generation != generation and not state.fresh:
+                raise StateLost(
+                    f"{self.name}: this session's state was lost when the stage's process restarted"
+                )
+        outs = [self._handle(fresh=False, generation=generation) for _ in items]
+        request = [(s.id, s.fresh, o.id, chunk) for (s, chunk), o in zip(items, outs, strict=True)]
+        freed = self._drain_freed()
+        try:
+            conn.send(("step", request, freed))
+            kind, payload = conn.recv()
+        except (EOFError, OSError) as exc:
+            self._forget_connection()
+            self._broken = generation
+            if self._process is not None:
+                self._process.join(1.0)  # it is exiting: its exit code says why
+            code = self._process.exitcode if self._process is not None else None
+            raise StageProcessDied(
+                f"{self.name}: its process (pid {self.pid}) exited during a step (exit code {code})"
+            ) from exc
+        if kind == "raise":
+            raise payload
+        return [(out, handle) for out, handle in zip(payload, outs, strict=True)]
+
+    def info(self) -> dict[str, Any]:
+        """The child's count of live states (after freeing the dropped ones) and its pid."""
+        conn, _ = self._connection()
+        try:
+            conn.send(("info", None, self._drain_freed()))
+            _, payload = conn.recv()
+        except (EOFError, OSError) as exc:
+            self._forget_connection()
+            self._broken = self.generation
+            raise StageProcessDied(f"{self.name}: its process (pid {self.pid}) exited") from exc
+        return dict(payload)
+
+    def disconnect(self) -> None:
+        """Close the calling thread's connection (its thread in the child ends and frees its OpenMP pool):
+        for a thread that stepped the stage once (a warm-up) and will not again."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            try:
+                conn.close()
+            except OSError:
+                pass
+        self._forget_connection()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _handle(self, *, fresh: bool, generation: int | None = None) -> RemoteState:
+        handle = RemoteState(next(self._ids), self.generation if generation is None else generation, fresh)
+        finalizer = weakref.finalize(handle, self._freed.append, handle.id)
+        finalizer.atexit = False
+        return handle
+
+    def _drain_freed(self) -> list[int]:
+        out: list[int] = []
+        while True:
+            try:
+                out.append(self._freed.popleft())
+            except IndexError:
+                return out
+
+    def _forget_connection(self) -> None:
+        self._local.conn = None
+        self._local.generation = 0
+
+    def _connection(self) -> tuple[Any, int]:
+        conn = getattr(self._local, "conn", None)
+        if (
+            conn is not None
+            and self._local.generation == self.generation
+            and self._broken != self.generation
+            and not self._closed
+            and self.alive()
+        ):
+            return conn, self.generation
+        with self._lock:
+            if self._closed:
+                raise StageProcessDied(f"{self.name}: the stage's process was closed")
+            if not self.alive() or self._broken == self.generation:
+                self._restart_locked()
+            self._wait_ready_locked(None)
+            try:
+                conn = mpc.Client(self._address, family="AF_UNIX", authkey=self._authkey)
+            except (OSError, EOFError) as exc:
+                self._broken = self.generation
+                raise StageProcessDied(
+                    f"{self.name}: cannot reach its process (pid {self.pid}): {exc!r}"
+                ) from exc
+            self._conns.append(conn)
+            self._local.conn = conn
+            self._local.generation = self.generation
+            return conn, self.generation
+
+    def _restart_locked(self) -> None:
+        code = self._process.exitcode if self._process is not None else None
+        if self.restarts >= self.max_restarts:
+            raise StageProcessDied(
+                f"{self.name}: its process exited (exit code {code}) and was restarted "
+                f"{self.restarts} times already; not again"
+            )
+        self.restarts += 1
+        log.error(
+            "%s: its process exited (exit code %s); starting a new one (restart %d)",
+            self.name,
+            code,
+            self.restarts,
+        )
+        self._stop_locked(1.0)
+        self._freed.clear()  # ids of the dead child's states
+        self._start_locked()
+
+
+def by_name(target: str, *args: Any, **kwargs: Any) -> Any:
+    """Call `module:function` with the arguments: a factory the parent can name without importing its
+    module (the dialogue engine's brings torch and transformers, which the parent then never loads)."""
+    import importlib
+
+    module, _, function = target.partition(":")
+    return getattr(importlib.import_module(module), function)(*args, **kwargs)
+
+
+# -- the child -------------------------------------------------------------------------------------
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class _Served:
+    """The child's side: the stage and every session's state, by id."""
+
+    def __init__(self, stage: Any) -> None:
+        self.stage = stage
+        self.states: dict[int, Any] = {}
+
+    def step(self, request: list[tuple[int, bool, int, Any]], freed: list[int]) -> tuple[str, Any]:
+        for state_id in freed:
+            self.states.pop(state_id, None)
+        try:
+            items = []
+            for in_id, fresh, _, chunk in request:
+                state = self.states.get(in_id)
+                if state is None:
+                    if not fresh:
+                        raise StateLost(f"no state {in_id} in this process")
+                    state = self.states[in_id] = self.stage.init_state()
+                items.append((state, chunk))
+            results = self.stage.step_batch(items)
+            for (_, _, out_id, _), (_, new_state) in zip(request, results, strict=True):
+                self.states[out_id] = new_state
+            return "ok", [out for out, _ in results]
+        except Exception as exc:
+            log.debug("step failed: %r", exc)
+            return "raise", _picklable(exc)
+
+    def serve(self, conn: Any) -> None:
+        from duplex.runtime.openmp import release_idle_pools
+
+        try:
+            while True:
+                try:
+                    kind, request, freed = conn.recv()
+                except (EOFError, OSError):
+                    return
+                if kind == "info":
+                    for state_id in freed:
+                        self.states.pop(state_id, None)
+                    reply: tuple[str, Any] = ("ok", {"states": len(self.states), "pid": os.getpid()})
+                elif kind == "step":
+                    reply = self.step(request, freed)
+                else:
+                    reply = ("raise", ValueError(f"unknown request {kind!r}"))
+                try:
+                    conn.send(reply)
+                except (OSError, BrokenPipeError):
+                    return
+                except Exception as exc:  # an output that cannot be pickled
+                    conn.send(("raise", RuntimeError(f"the stage's output could not be sent: {exc!r}")))
+        finally:
+            release_idle_pools()  # this thread's OpenMP pool must not outlive it as spinning threads
+            conn.close()
+
+
+def _child_main(
+    factory: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    attributes: tuple[str, ...],
+    address: str,
+    authkey: bytes,
+    lifeline: Any,
+    log_level: int,
+) -> None:
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s %(name)s [stage process]: %(message)s"
+    )
+    try:
+        from duplex.runtime.openmp import loading_without_pools
+
+        with loading_without_pools():
+            stage = factory(*args, **kwargs)
+        info = {name: getattr(stage, name) for name in attributes if hasattr(stage, name)}
+        pickle.dumps(info)
+        listener = mpc.Listener(address, family="AF_UNIX", authkey=authkey)
+    except BaseException:
+        lifeline.send(("error", traceback.format_exc()))
+        lifeline.close()
+        return
+    served = _Served(stage)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn = listener.accept()
+            except (OSError, EOFError, multiprocessing.AuthenticationError) as exc:
+                log.warning("a connection was refused: %r", exc)
+                time.sleep(0.01)
+                continue
+            threading.Thread(target=served.serve, args=(conn,), name="stage-serve", daemon=True).start()
+
+    threading.Thread(target=accept, name="stage-accept", daemon=True).start()
+    lifeline.send(("ready", info))
+    try:
+        lifeline.recv()  # nothing is ever sent: this returns (EOF) when the parent closes it or exits
+    except (EOFError, OSError):
+        pass
+    os._exit(0)

@@ -1,0 +1,163 @@
+"""A stage served by a child process behaves as the same stage in this process (duplex/runtime/stage_process.py)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from duplex.core.jobs import Job
+from duplex.runtime.executor import DeviceExecutor
+from duplex.runtime.stage_process import (
+    RemoteState,
+    StageProcess,
+    StageProcessDied,
+    StageProcessError,
+    StateLost,
+)
+from duplex.testing.fakes import counter_stage
+
+
+@pytest.fixture(scope="module")
+def remote() -> Iterator[StageProcess]:
+    stage = StageProcess(counter_stage, (10,), name="counter").wait_ready(60)
+    yield stage
+    stage.close()
+
+
+def test_it_steps_in_another_process_with_the_stages_attributes(remote: StageProcess) -> None:
+    assert remote.kind == "counter" and remote.listens is True
+    assert not hasattr(remote, "policy")  # the counter has none: absent here too
+    pid, _ = remote.step(remote.init_state(), "pid")
+    assert pid == remote.pid and pid != os.getpid()
+
+
+def test_steps_equal_the_same_stage_in_this_process(remote: StageProcess) -> None:
+    local = counter_stage(10)
+    chunks = [3, 4, -2, 7]
+    local_state, remote_state = local.init_state(), remote.init_state()
+    local_outs, remote_outs = [], []
+    for chunk in chunks:
+        out, local_state = local.step(local_state, chunk)
+        local_outs.append(out)
+        out, remote_state = remote.step(remote_state, chunk)
+        remote_outs.append(out)
+    assert remote_outs == local_outs == [13, 17, 15, 22]
+    assert isinstance(remote_state, RemoteState) and not remote_state.fresh
+
+
+def test_a_batch_keeps_each_sessions_state_apart(remote: StageProcess) -> None:
+    a, b = remote.init_state(), remote.init_state()
+    (out_a, a), (out_b, b) = remote.step_batch([(a, 1), (b, 100)])
+    assert (out_a, out_b) == (11, 110)
+    (out_b, b), (out_a, a) = remote.step_batch([(b, 1), (a, 1)])
+    assert (out_a, out_b) == (12, 111)
+
+
+def test_a_state_stepped_twice_is_updated_in_place_as_in_this_process(remote: StageProcess) -> None:
+    # the service's warm-up steps one state twice without taking the new one: the engine's caches are
+    # updated in place, so both steps see one conversation
+    state = remote.init_state()
+    remote.step(state, 5)
+    out, _ = remote.step(state, 5)
+    assert out == 20
+
+
+def test_dropped_states_are_freed_in_the_child(remote: StageProcess) -> None:
+    gc.collect()
+    before = remote.info()["states"]
+    state = remote.init_state()
+    for _ in range(50):
+        _, state = remote.step(state, 1)
+    assert remote.info()["states"] == before + 1  # only the last handle's state is alive there
+    del state
+    gc.collect()
+    assert remote.info()["states"] == before
+
+
+def test_an_exception_of_the_stage_is_raised_here(remote: StageProcess) -> None:
+    with pytest.raises(ValueError, match="asked to fail"):
+        remote.step(remote.init_state(), "raise")
+    with pytest.raises(RuntimeError, match="_Unpicklable: holds a lambda"):
+        remote.step(remote.init_state(), "unpicklable")
+    out, _ = remote.step(remote.init_state(), 1)  # the process is still serving
+    assert out == 11
+
+
+def test_two_threads_step_at_once_on_their_own_connections(remote: StageProcess) -> None:
+    results: dict[int, int] = {}
+
+    def run(i: int) -> None:
+        state = remote.init_state()
+        for _ in range(20):
+            out, state = remote.step(state, i)
+        results[i] = out
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == {1: 30, 2: 50, 3: 70}
+
+
+def test_the_executor_runs_it_like_any_stage(remote: StageProcess) -> None:
+    executor = DeviceExecutor(bulk_workers=1)
+    executor.register(remote, name="llm")
+    try:
+        state = remote.init_state()
+        job = Job("llm", "llm.step", "s1", 1, state, 2, deadline=executor.now() + 5)
+        out, new_state = executor.submit(job).result(10)
+        assert out == 12 and isinstance(new_state, RemoteState)
+        bad = Job("llm", "llm.step", "s2", 1, remote.init_state(), "raise", deadline=executor.now() + 5)
+        with pytest.raises(ValueError):
+            executor.submit(bad).result(10)
+    finally:
+        executor.close()
+
+
+def test_a_stage_that_fails_to_load_says_why() -> None:
+    stage = StageProcess(counter_stage, (0,), {"fail_to_load": True}, name="counter")
+    try:
+        with pytest.raises(StageProcessError, match="weights are missing"):
+            stage.wait_ready(60)
+    finally:
+        stage.close()
+
+
+def test_a_dead_process_fails_the_step_and_the_next_step_gets_a_new_one() -> None:
+    stage = StageProcess(counter_stage, (0,), name="counter", max_restarts=1).wait_ready(60)
+    try:
+        kept = stage.init_state()
+        _, kept = stage.step(kept, 4)
+        first_pid = stage.pid
+        with pytest.raises(StageProcessDied, match="exit code"):
+            stage.step(stage.init_state(), "exit")
+        # the session whose state lived there gets a clear error; a new session works
+        with pytest.raises(StateLost):
+            stage.step(kept, 1)
+        out, _ = stage.step(stage.init_state(), 2)
+        assert out == 2 and stage.pid != first_pid and stage.restarts == 1
+        with pytest.raises(StageProcessDied):
+            stage.step(stage.init_state(), "exit")
+        with pytest.raises(StageProcessDied, match="not again"):
+            stage.step(stage.init_state(), 1)
+    finally:
+        stage.close()
+
+
+def test_close_ends_the_child() -> None:
+    stage = StageProcess(counter_stage, (0,), name="counter").wait_ready(60)
+    process = stage._process
+    stage.step(stage.init_state(), 1)
+    stage.close()
+    deadline = time.monotonic() + 10
+    while process.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not process.is_alive()
+    with pytest.raises(StageProcessDied, match="closed"):
+        stage.step(stage.init_state(), 1)
