@@ -232,9 +232,19 @@ def _serve_in_process(
     """--serve: load the service (or the tone stages) and serve it from a thread of this process;
     (server, service, url), or the exit status when it cannot start."""
     from duplex.base.config import ConfigError, load_profile
-    from duplex.runtime.service import DuplexService
+    from duplex.base.limits import load_limits
+    from duplex.runtime.service import DuplexService, ServiceLimits
 
     try:
+        if limits is None:
+            # how models.yaml shapes the runtime (as `duplex serve` has it); the session limits stay the defaults
+            base = load_limits()
+            limits = ServiceLimits(
+                bulk_workers=base.bulk_workers,
+                llm_process=base.llm_process,
+                llm_gather_ms=base.llm_gather_ms,
+                heap_trim_s=base.heap_trim_s,
+            )
         if tones:
             from duplex.testing.fakes import fake_stages, scripted_answer
 
