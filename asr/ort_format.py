@@ -11,7 +11,10 @@ graph inputs/outputs, opset imports. Runtime optimisation records and kernel has
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,8 +25,24 @@ if TYPE_CHECKING:
     import onnx
 
 
+def _tools_without_torch() -> None:
+    """Make `onnxruntime.tools` importable without running its `__init__`, which imports torch whenever
+    torch is installed (200 MB in a server whose torch stages run in another process) for an export
+    helper this module never uses."""
+    if "onnxruntime.tools" in sys.modules:
+        return
+    spec = importlib.util.find_spec("onnxruntime.tools")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    package = types.ModuleType("onnxruntime.tools")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__spec__ = spec
+    sys.modules["onnxruntime.tools"] = package
+
+
 def _fbs() -> Any:
     try:
+        _tools_without_torch()
         from onnxruntime.tools.ort_format_model.ort_flatbuffers_py import fbs
     except ImportError as exc:
         raise ModelError(

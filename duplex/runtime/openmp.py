@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import sys
 from collections.abc import Iterator
 
 log = logging.getLogger("duplex.runtime.openmp")
@@ -52,9 +53,17 @@ def release_idle_pools() -> bool:
 
 
 @contextlib.contextmanager
-def loading_without_pools() -> Iterator[None]:
+def loading_without_pools(import_torch: bool = True) -> Iterator[None]:
     """torch at one intra-op thread inside (no OpenMP pool is made on this thread or on the helper
-    threads that load weights); after it, the previous thread count back and this thread's pool freed."""
+    threads that load weights); after it, the previous thread count back and this thread's pool freed.
+
+    `import_torch=False`: a process whose stages may not need torch (the dialogue engine in a process of its
+    own) does not import it for this; if a stage imported it meanwhile, its idle pool is still freed."""
+    if not import_torch and "torch" not in sys.modules:
+        yield
+        if "torch" in sys.modules:
+            release_idle_pools()
+        return
     try:
         import torch
     except ImportError:  # no torch stage in this process

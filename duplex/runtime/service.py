@@ -146,19 +146,27 @@ def warm_up(stages: Stages) -> dict[str, float]:
     return times
 
 
-def _children_memory(proc: Any) -> dict[str, int]:
-    """RSS and peak RSS (bytes) of this process's children (the model process), summed."""
+def _torch_stages(profile: Profile) -> bool:
+    """Whether the profile's VAD, ASR or TTS run on torch (the streaming Conformer, the own voice)."""
+    return profile.component("asr").backend == "nemo-streaming" or profile.component("tts").backend == "flow"
+
+
+def _children_usage(proc: Any) -> dict[str, float]:
+    """RSS and peak RSS (bytes) and CPU seconds of this process's children (the model process), summed."""
     rss = peak = 0
+    user = system = 0.0
     for child in proc.children():
         try:
             rss += child.memory_info().rss
+            times = child.cpu_times()
+            user, system = user + times.user, system + times.system
             with open(f"/proc/{child.pid}/status") as f:
                 for line in f:
                     if line.startswith("VmHWM:"):
                         peak += int(line.split()[1]) * 1024
         except (OSError, ValueError):
             continue  # it exited meanwhile
-    return {"rss": rss, "peak": peak}
+    return {"rss": rss, "peak": peak, "user": user, "system": system}
 
 
 @dataclass(frozen=True)
@@ -274,7 +282,8 @@ class DuplexService:
         if (limits or ServiceLimits()).llm_process:
             llm_process = start_llm_process(profile, progress=progress)
         try:
-            with loading_without_pools():
+            # with the engine in its own process, a profile whose other stages are ONNX never imports torch here
+            with loading_without_pools(import_torch=llm_process is None or _torch_stages(profile)):
                 stages = build_stages(profile, progress=progress, llm_process=llm_process)
                 if warm:
                     log.info("warm-up: %s", {k: round(v, 3) for k, v in warm_up(stages).items()})
@@ -378,7 +387,7 @@ class DuplexService:
         cpu = proc.cpu_times()
         rss = proc.memory_info().rss
         peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        children = _children_memory(proc)
+        children = _children_usage(proc)
         return {
             **self.health(),
             "executor": self.executor.stats(),
@@ -388,8 +397,9 @@ class DuplexService:
                 "tokens": self._llm_tokens_closed + sum(c.llm_tokens for c in list(self.sessions.values()))
             },
             "process": {
-                "cpu_user_s": round(cpu.user, 3),
-                "cpu_system_s": round(cpu.system, 3),
+                # with the model process's: the load bench's "cores" is CPU seconds over wall time
+                "cpu_user_s": round(cpu.user + children["user"], 3),
+                "cpu_system_s": round(cpu.system + children["system"], 3),
                 # with the model process's (the dialogue engine's caches live there)
                 "rss_mb": round((rss + children["rss"]) / 2**20, 1),
                 "peak_rss_mb": round((peak_kb * 1024 + children["peak"]) / 2**20, 1),

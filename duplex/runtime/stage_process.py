@@ -7,8 +7,8 @@ found the worker waiting for it ~30 % of its listen and draft time, and the engi
 twice as long as the same calls in a script (listen at a pause ~60 vs ~30 ms, the first draft ~90 vs
 ~40 ms; docs/results/2026-11-27.md). In a process of its own the stage has its own interpreter.
 
-`StageProcess(factory, args, kwargs)` spawns a child (multiprocessing "spawn": nothing of the parent's
-threads or OpenMP pools is inherited) that builds the stage with `factory(*args, **kwargs)` and serves
+`StageProcess(factory, args, kwargs)` starts a child (`python -m duplex.runtime.stage_child`: a fresh
+interpreter, nothing of the parent's threads or OpenMP pools inherited) that builds the stage with `factory(*args, **kwargs)` and serves
 its steps over Unix-socket connections, one connection and one child thread per calling thread, so two
 executor workers step it at once as they would in one process. The object itself is the stage the
 executor and the session cores use:
@@ -35,7 +35,10 @@ import multiprocessing
 import multiprocessing.connection as mpc
 import os
 import pickle
+import select
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -45,6 +48,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 log = logging.getLogger("duplex.runtime.stage_process")
+
+#: how often the child gives freed heap pages back to the OS (the server's `heap_trim_s` default)
+HEAP_TRIM_S = 10.0
 
 #: attributes of the stage the parent reads
 DEFAULT_ATTRIBUTES = ("kind", "policy", "listens")
@@ -104,7 +110,6 @@ class StageProcess:
         self._ids = itertools.count(1)
         self._freed: collections.deque[int] = collections.deque()
         self._process: Any = None
-        self._lifeline: Any = None
         self._address = ""
         self._authkey = b""
         self._dir: str | None = None
@@ -128,26 +133,17 @@ class StageProcess:
         self._dir = tempfile.mkdtemp(prefix=f"duplex-{self.name}-")
         self._address = os.path.join(self._dir, "sock")
         self._authkey = os.urandom(16)
-        ctx = multiprocessing.get_context("spawn")
-        parent_end, child_end = ctx.Pipe()
-        self._lifeline = parent_end
-        self._process = ctx.Process(
-            target=_child_main,
-            name=f"duplex-{self.name}",
-            args=(
+        self._process = _Child.start(
+            (
                 self._factory,
                 self._args,
                 self._kwargs,
                 self._attributes,
                 self._address,
                 self._authkey,
-                child_end,
                 logging.getLogger().getEffectiveLevel(),
-            ),
-            daemon=True,
+            )
         )
-        self._process.start()
-        child_end.close()
         log.info("%s: process %d starting (generation %d)", self.name, self._process.pid, self.generation)
 
     def wait_ready(self, timeout_s: float | None = None) -> StageProcess:
@@ -162,15 +158,15 @@ class StageProcess:
         if self._process is None:
             raise StageProcessError(f"{self.name}: the process was not started")
         t0 = time.perf_counter()
-        if not self._lifeline.poll(timeout_s):
+        message = self._process.read_message(timeout_s)
+        if message is None:
             raise StageProcessError(f"{self.name}: the process did not load the stage within {timeout_s} s")
-        try:
-            kind, payload = self._lifeline.recv()
-        except (EOFError, OSError):
+        if message == "exited":
             self._process.join(5.0)
             raise StageProcessError(
                 f"{self.name}: the process exited while loading the stage (exit code {self._process.exitcode})"
-            ) from None
+            )
+        kind, payload = message
         if kind != "ready":
             self._process.join(5.0)
             raise StageProcessError(f"{self.name}: the stage failed to load in its process:\n{payload}")
@@ -200,13 +196,8 @@ class StageProcess:
             except OSError:
                 pass
         self._conns = []
-        if self._lifeline is not None:
-            try:
-                self._lifeline.close()
-            except OSError:
-                pass
-            self._lifeline = None
         if self._process is not None:
+            self._process.close_lifeline()
             self._process.join(timeout_s)
             if self._process.is_alive():
                 self._process.terminate()
@@ -426,16 +417,76 @@ class _Served:
             conn.close()
 
 
-def _child_main(
-    factory: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    attributes: tuple[str, ...],
-    address: str,
-    authkey: bytes,
-    lifeline: Any,
-    log_level: int,
-) -> None:
+class _Child:
+    """The child process: `python -m duplex.runtime.stage_child`, its stdin the spec then the lifeline, its
+    original stdout the one message saying it is ready (or why not). Not multiprocessing's "spawn": that
+    re-runs the parent's main script in the child, which a script without a `__main__` guard cannot take."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+
+    @classmethod
+    def start(cls, spec: tuple[Any, ...]) -> _Child:
+        env = dict(os.environ)
+        # the child imports what this process can (a checkout, a test's package) by the same paths
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "duplex.runtime.stage_child"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            close_fds=True,
+        )
+        assert popen.stdin is not None
+        popen.stdin.write(pickle.dumps(spec))
+        popen.stdin.flush()  # kept open: the child exits when it closes
+        return cls(popen)
+
+    def read_message(self, timeout_s: float | None) -> Any:
+        """The child's message, "exited" if it ended without one, None on timeout."""
+        assert self.popen.stdout is not None
+        ready, _, _ = select.select([self.popen.stdout], [], [], timeout_s)
+        if not ready:
+            return None
+        try:
+            return pickle.load(self.popen.stdout)
+        except (EOFError, pickle.UnpicklingError, OSError):
+            return "exited"
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout_s: float | None) -> None:
+        try:
+            self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close_lifeline(self) -> None:
+        for pipe in (self.popen.stdin, self.popen.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+
+    def terminate(self) -> None:
+        self.popen.terminate()
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+
+def run_child() -> None:
+    """The child's main (`python -m duplex.runtime.stage_child`)."""
+    report = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever the stage prints goes to stderr; fd 1 of old carries the one message
+    factory, args, kwargs, attributes, address, authkey, log_level = pickle.load(sys.stdin.buffer)
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [stage process]: %(message)s"
     )
@@ -448,10 +499,18 @@ def _child_main(
         pickle.dumps(info)
         listener = mpc.Listener(address, family="AF_UNIX", authkey=authkey)
     except BaseException:
-        lifeline.send(("error", traceback.format_exc()))
-        lifeline.close()
+        pickle.dump(("error", traceback.format_exc()), report)
+        report.close()
         return
     served = _Served(stage)
+    # as the server's own process does: loading leaves freed heap pages and objects the collector need not walk
+    from duplex.runtime.heap import HeapTrimmer, freeze_loaded
+
+    freeze_loaded()
+    trimmer = HeapTrimmer(HEAP_TRIM_S)
+    _, released = trimmer.trim_once()
+    log.info("loaded; heap trim released %.0f MB", released)
+    trimmer.start()
 
     def accept() -> None:
         while True:
@@ -464,9 +523,10 @@ def _child_main(
             threading.Thread(target=served.serve, args=(conn,), name="stage-serve", daemon=True).start()
 
     threading.Thread(target=accept, name="stage-accept", daemon=True).start()
-    lifeline.send(("ready", info))
+    pickle.dump(("ready", info), report)
+    report.flush()
     try:
-        lifeline.recv()  # nothing is ever sent: this returns (EOF) when the parent closes it or exits
-    except (EOFError, OSError):
+        sys.stdin.buffer.read()  # nothing more is sent: this returns (EOF) when the parent closes it or exits
+    except OSError:
         pass
     os._exit(0)

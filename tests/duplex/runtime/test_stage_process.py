@@ -161,3 +161,22 @@ def test_close_ends_the_child() -> None:
     assert not process.is_alive()
     with pytest.raises(StageProcessDied, match="closed"):
         stage.step(stage.init_state(), 1)
+
+
+def test_a_script_without_a_main_guard_can_start_one(tmp_path) -> None:
+    # multiprocessing's "spawn" re-runs the parent's main script in the child: such a script would start
+    # processes without end. The child here is `python -m duplex.runtime.stage_child` instead.
+    script = tmp_path / "top_level.py"
+    script.write_text(
+        "from duplex.runtime.stage_process import StageProcess\n"
+        "from duplex.testing.fakes import counter_stage\n"
+        "stage = StageProcess(counter_stage, (5,)).wait_ready(60)\n"
+        "print('total', stage.step(stage.init_state(), 2)[0])\n"
+        "stage.close()\n"
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "total 7"
