@@ -32,6 +32,10 @@ class TurnPolicy:
     #: predictive end of turn: a SPEAK with P(take) at or above this ends the turn after the short
     #: hangover (`fast_turn_silence_ms`); calibrated by `duplex eval eot --write`; None: never
     fast_take_threshold: float | None = None
+    #: graded end of turn: a SPEAK with P(take) between this and `fast_take_threshold` waits a hangover
+    #: between the short and the full one, growing as P(take) falls; calibrated by `duplex eval eot
+    #: --write`; None: two steps (short at `fast_take_threshold` and above, full below)
+    graded_take_threshold: float | None = None
 
     @staticmethod
     def p_take(probs: Sequence[float] | Any) -> float:
@@ -43,6 +47,16 @@ class TurnPolicy:
         if self.fast_take_threshold is None or self.decide_turn(probs) != SPEAK:
             return False
         return self.p_take(probs) >= self.fast_take_threshold
+
+    def end_wait_share(self, probs: Sequence[float] | Any) -> float:
+        """Where between the short hangover (0.0) and the full one (1.0) a turn the head judged over ends."""
+        if self.confident_end(probs):
+            return 0.0
+        hi, lo = self.fast_take_threshold, self.graded_take_threshold
+        if hi is None or lo is None or not lo < hi or self.decide_turn(probs) != SPEAK:
+            return 1.0
+        p = self.p_take(probs)
+        return 1.0 if p < lo else (hi - p) / (hi - lo)
 
     def decide_turn(self, probs: Sequence[float] | Any) -> int:
         """LISTEN, BACKCHANNEL or SPEAK for one turn-head output (p_listen, p_backchannel, p_speak)."""

@@ -423,6 +423,7 @@ class SessionCore:
             self._drop_speculation()
             if self.segment is not None:
                 self.segment.decision, self.segment.confident_end = None, False
+                self.segment.end_wait_share = 1.0
                 if self.segment.overlap_class == "backchannel":
                     self.segment.overlap_class = None  # they went on: judge the whole thing again
         elif edge.kind == "end":
@@ -1079,10 +1080,11 @@ class SessionCore:
         p_listen, p_bc, p_speak = probs
         assert self.stages.policy is not None  # listen jobs run only with turn-taking
         if is_bare_cue(text):
-            seg.decision, seg.confident_end = "listen", False
+            seg.decision, seg.confident_end, seg.end_wait_share = "listen", False, 1.0
         else:
             seg.decision = LABELS[self.stages.policy.decide_turn(probs)]
             seg.confident_end = self.stages.policy.confident_end(probs)
+            seg.end_wait_share = self.stages.policy.end_wait_share(probs)
         self._emit(
             TurnDecision,
             turn_id=seg.turn_id,
@@ -1181,8 +1183,12 @@ class SessionCore:
         o = self.options
         if seg.decision == "backchannel":
             return o.backchannel_turn_silence_ms
-        if seg.confident_end and 0 < o.fast_turn_silence_ms < o.end_of_turn_silence_ms:
-            return o.fast_turn_silence_ms
+        if 0 < o.fast_turn_silence_ms < o.end_of_turn_silence_ms:
+            if seg.confident_end:
+                return o.fast_turn_silence_ms
+            # graded: a less sure "complete" waits between the short and the full hangover
+            span = o.end_of_turn_silence_ms - o.fast_turn_silence_ms
+            return o.fast_turn_silence_ms + round(min(1.0, max(0.0, seg.end_wait_share)) * span)
         return o.end_of_turn_silence_ms
 
     def _maybe_backchannel(self, seg: Segment) -> None:

@@ -55,6 +55,8 @@ class Segment:
     listened: str = ""  # the text last given to the turn head
     decision: str | None = None  # at the current pause: "speak", "listen", "backchannel"
     confident_end: bool = False  # ... and the turn head is sure it is over (predictive end of turn)
+    #: where between the short (0.0) and the full (1.0) hangover this turn ends (graded end of turn)
+    end_wait_share: float = 1.0
     overlap: bool = False  # started while the service was speaking
     overlap_class: str | None = None  # "backchannel", "interruption" or "noise" (no word in it), once known
     slice_probs: tuple[str, tuple[float, float, float]] | None = None  # the turn head on the last slice

@@ -54,16 +54,26 @@ class Waits:
     listen: int = 2000
 
 
-def wait_ms(policy: TurnPolicy, probs: Sequence[float], waits: Waits, fast_take: float | None) -> int:
-    """The silence the session waits before taking the turn, for one turn-head output."""
+def wait_ms(
+    policy: TurnPolicy,
+    probs: Sequence[float],
+    waits: Waits,
+    fast_take: float | None,
+    graded_take: float | None = None,
+) -> int:
+    """The silence the session waits before taking the turn, for one turn-head output (as
+    `SessionCore._turn_wait_ms` with `TurnPolicy.end_wait_share`)."""
     d = policy.decide_turn(probs)
     if d == LISTEN:
         return waits.listen
     if d == BACKCHANNEL:
         return waits.backchannel
     assert d == SPEAK
-    if fast_take is not None and policy.p_take(probs) >= fast_take:
+    p = policy.p_take(probs)
+    if fast_take is not None and p >= fast_take:
         return waits.fast
+    if fast_take is not None and graded_take is not None and graded_take < fast_take and p >= graded_take:
+        return waits.fast + round((fast_take - p) / (fast_take - graded_take) * (waits.speak - waits.fast))
     return waits.speak
 
 
@@ -98,6 +108,48 @@ def sweep(
             }
         )
     return out
+
+
+def graded_sweep(
+    rows: list[dict[str, Any]],
+    policy: TurnPolicy,
+    waits: Waits,
+    fast_take: float,
+    grid: Sequence[float] = GRID,
+) -> list[dict[str, Any]]:
+    """With `fast_take` fixed, one point per `graded_take` below it (None first: two steps)."""
+    complete = [r["probs"] for r in rows if r["label"] == SPEAK]
+    cut = [r["probs"] for r in rows if r["label"] == LISTEN]
+    out = []
+    for lo in (None, *sorted((g for g in grid if g < fast_take), reverse=True)):
+        wc = np.array([wait_ms(policy, p, waits, fast_take, lo) for p in complete], dtype=float)
+        wx = np.array([wait_ms(policy, p, waits, fast_take, lo) for p in cut], dtype=float)
+        out.append(
+            {
+                "graded_take": lo,
+                "wait_p50_ms": float(np.percentile(wc, 50)) if len(wc) else float("nan"),
+                "wait_p90_ms": float(np.percentile(wc, 90)) if len(wc) else float("nan"),
+                "wait_mean_ms": float(wc.mean()) if len(wc) else float("nan"),
+                "hesitation_takeover": _taken(wx, HESITATION_S),
+                "pause_takeover": _taken(wx, PAUSE_S),
+            }
+        )
+    return out
+
+
+def choose_graded(curves: dict[str, list[dict[str, Any]]], limits: dict[str, float]) -> float | None:
+    """The lowest `graded_take` (the widest graded band) whose takeover at hesitations stays within each
+    set's limit; None if not even the narrowest does (two steps stay)."""
+    first = next(iter(curves.values()))
+    best = None
+    for i, point in enumerate(first):
+        if point["graded_take"] is None:
+            continue
+        if all(c[i]["hesitation_takeover"] <= limits.get(name, 1.0) for name, c in curves.items()):
+            best = float(point["graded_take"])
+        else:
+            break  # takeover only grows as the band widens
+    return best
 
 
 def choose(curves: dict[str, list[dict[str, Any]]], limits: dict[str, float]) -> float | None:
@@ -195,6 +247,21 @@ def report(results: dict[str, Any]) -> str:
                 )
     limits = ", ".join(f"{k} <= {100 * v:.0f} %" for k, v in results["limits"].items())
     lines.append(f"  chosen fast_take threshold: {chosen} (lowest with takeover at hesitations {limits})")
+    graded = results.get("graded") or {}
+    for name, curve in graded.items():
+        lines.append(f"  graded below fast_take {chosen}, {name}:")
+        for p in curve:
+            lo = p["graded_take"]
+            if lo is None or lo == results.get("chosen_graded") or round(lo * 100) % 5 == 0:
+                label = "steps" if lo is None else f"{lo:.2f}"
+                mark = "  <- chosen" if lo is not None and lo == results.get("chosen_graded") else ""
+                lines.append(
+                    f"    {label:>6}: wait P50 {p['wait_p50_ms']:4.0f} ms P90 {p['wait_p90_ms']:5.0f} ms mean "
+                    f"{p['wait_mean_ms']:4.0f} ms, takeover at hesitations {100 * p['hesitation_takeover']:4.1f} %"
+                    f"{mark}"
+                )
+    if graded:
+        lines.append(f"  chosen graded_take threshold: {results.get('chosen_graded')} (same limits)")
     return "\n".join(lines)
 
 
@@ -204,7 +271,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4.2))
     for name, curve in results["curves"].items():
         pts = [p for p in curve if p["fast_take"] is not None]
         ax[0].plot(
@@ -222,9 +289,19 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax[1].set_xlabel("fast_take threshold on P(take)")
     ax[1].set_ylabel("wait on complete turns (ms)")
     ax[1].set_title("wait by threshold")
+    for name, curve in (results.get("graded") or {}).items():
+        pts = [p for p in curve if p["graded_take"] is not None]
+        ax[2].plot(
+            [p["wait_p90_ms"] for p in pts], [100 * p["hesitation_takeover"] for p in pts], ".-", label=name
+        )
+        ax[2].plot([curve[0]["wait_p90_ms"]], [100 * curve[0]["hesitation_takeover"]], "x", color="k")
+    ax[2].set_xlabel("P90 wait on complete turns (ms)")
+    ax[2].set_ylabel("takeover at 0.3-0.5 s hesitations (%)")
+    ax[2].set_title("graded wait below the chosen threshold (x: two steps)")
     for a in ax:
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -270,6 +347,12 @@ def run(args: argparse.Namespace) -> int:
         if subset:
             results["curves"][name] = sweep(subset, policy, Waits())
     results["chosen"] = choose(results["curves"], results["limits"])
+    results["graded"], results["chosen_graded"] = {}, None
+    if results["chosen"] is not None:
+        for name in results["curves"]:
+            subset = [r for r in rows if (r["voice"] == "text") == (name == "text")]
+            results["graded"][name] = graded_sweep(subset, policy, Waits(), results["chosen"])
+        results["chosen_graded"] = choose_graded(results["graded"], results["limits"])
     results["rows"] = rows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -283,6 +366,7 @@ def run(args: argparse.Namespace) -> int:
         path = heads_metadata_path()
         meta = json.loads(path.read_text())
         meta["thresholds"]["fast_take"] = results["chosen"]
+        meta["thresholds"]["graded_take"] = results["chosen_graded"]
         meta.setdefault("calibration", {})["fast_take"] = {
             "command": "duplex eval eot --write",
             "date": results["date"],
@@ -291,9 +375,13 @@ def run(args: argparse.Namespace) -> int:
                 name: next(p for p in c if p["fast_take"] == results["chosen"])
                 for name, c in results["curves"].items()
             },
+            "graded_at_chosen": {
+                name: next(p for p in c if p["graded_take"] == results["chosen_graded"])
+                for name, c in results["graded"].items()
+            },
         }
         path.write_text(json.dumps(meta, indent=1) + "\n")
-        print(f"wrote fast_take {results['chosen']} into {path}")
+        print(f"wrote fast_take {results['chosen']}, graded_take {results['chosen_graded']} into {path}")
     return 0
 
 

@@ -319,6 +319,38 @@ def test_confident_end_rule():
     assert not TurnPolicy(0.5, 0.7, 0.5, take_threshold=0.6).confident_end((0.0, 0.0, 1.0))  # uncalibrated
 
 
+def test_graded_end_of_turn_waits_by_how_sure_the_head_is():
+    # P(take) 0.95 (sure), 0.85 (half-way into the graded band 0.8-0.9), 0.70 (below it)
+    heads = {"france": (0.05, 0.0, 0.95), "four": (0.15, 0.0, 0.85), "story": (0.30, 0.0, 0.70)}
+
+    def head(text: str) -> tuple[float, float, float]:
+        return heads.get(text.split()[-1], (0.9, 0.05, 0.05))
+
+    policy = TurnPolicy(0.5, 0.7, 0.5, take_threshold=0.6, fast_take_threshold=0.9, graded_take_threshold=0.8)
+    steps = dataclasses.replace(policy, graded_take_threshold=None)
+    sure, _ = _first_audio_after_speech(policy, head, "what is the capital of france")
+    half, r = _first_audio_after_speech(policy, head, "what is two plus four")
+    half_steps, _ = _first_audio_after_speech(steps, head, "what is two plus four")
+    low, _ = _first_audio_after_speech(policy, head, "tell me a story")
+    low_steps, _ = _first_audio_after_speech(steps, head, "tell me a story")
+    assert r.events("response.done")[0].text  # answered
+    # half-way into the band: half-way between the 200 and 500 ms hangovers (350 ms), 150 ms sooner
+    assert 0.1 < half_steps - half < 0.2
+    assert 0.1 < half - sure < 0.2
+    # below the band: the full hangover, as with two steps
+    assert abs(low - low_steps) < 0.05
+
+
+def test_end_wait_share_rule():
+    policy = TurnPolicy(0.5, 0.7, 0.5, take_threshold=0.6, fast_take_threshold=0.9, graded_take_threshold=0.7)
+    assert policy.end_wait_share((0.05, 0.05, 0.90)) == 0.0  # sure: the short hangover
+    assert abs(policy.end_wait_share((0.20, 0.05, 0.75)) - 0.5) < 1e-9  # half-way into the band
+    assert policy.end_wait_share((0.35, 0.05, 0.60)) == 1.0  # below the band: the full one
+    assert policy.end_wait_share((0.15, 0.60, 0.25)) == 1.0  # a backchannel point is not graded
+    assert policy.end_wait_share((0.80, 0.10, 0.10)) == 1.0  # listen
+    assert dataclasses.replace(policy, graded_take_threshold=None).end_wait_share((0.20, 0.05, 0.75)) == 1.0
+
+
 def test_relay_check_option_is_validated():
     import pytest
 

@@ -48,3 +48,26 @@ def test_choose_takes_the_lowest_threshold_within_every_limit():
     assert choose(curves, {"text": 0.05}) == 0.995
     curves["speech"] = curves["text"]
     assert choose(curves, {"text": 0.15, "speech": 0.05}) == 0.995
+
+
+def test_graded_wait_follows_the_session_rule():
+    w = Waits()
+    # P(take) 0.8 is half-way into a 0.7-0.9 band: half-way between the short and the full hangover
+    assert wait_ms(POLICY, (0.2, 0.05, 0.75), w, 0.9, 0.7) == 350
+    assert wait_ms(POLICY, (0.02, 0.03, 0.95), w, 0.9, 0.7) == w.fast
+    assert wait_ms(POLICY, (0.35, 0.0, 0.65), w, 0.9, 0.7) == w.speak  # below the band
+    assert wait_ms(POLICY, (0.05, 0.6, 0.35), w, 0.9, 0.7) == w.backchannel  # not graded
+
+
+def test_graded_sweep_trades_the_p90_wait_for_takeover():
+    from duplex.eval.eot import choose_graded, graded_sweep
+
+    curve = graded_sweep(_rows(), POLICY, Waits(), 0.9, grid=(0.6, 0.65, 0.9, 0.95))
+    steps, at65, at60 = curve  # thresholds at or above fast_take are not graded bands
+    assert steps["graded_take"] is None and steps["wait_p90_ms"] == 500
+    # the four P(take) 0.7 complete turns wait (0.9-0.7)/(0.9-0.65) of the way: 200 + 0.8 * 300 = 440 ms
+    assert at65["wait_p90_ms"] == 440 and at60["wait_p90_ms"] < at65["wait_p90_ms"]
+    # ... and so does the P(take) 0.7 cut: a 0.3-0.5 s hesitation longer than its wait is taken over
+    assert math.isclose(at65["hesitation_takeover"], 0.1 + 0.1 * (500 - 440) / 200)
+    assert choose_graded({"text": curve}, {"text": 0.135}) == 0.65  # at 0.6: 0.15
+    assert choose_graded({"text": curve}, {"text": 0.125}) is None
