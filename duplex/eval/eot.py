@@ -292,10 +292,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     for name, curve in (results.get("graded") or {}).items():
         pts = [p for p in curve if p["graded_take"] is not None]
         ax[2].plot(
-            [p["wait_p90_ms"] for p in pts], [100 * p["hesitation_takeover"] for p in pts], ".-", label=name
+            [p["wait_mean_ms"] for p in pts], [100 * p["hesitation_takeover"] for p in pts], ".-", label=name
         )
-        ax[2].plot([curve[0]["wait_p90_ms"]], [100 * curve[0]["hesitation_takeover"]], "x", color="k")
-    ax[2].set_xlabel("P90 wait on complete turns (ms)")
+        ax[2].plot([curve[0]["wait_mean_ms"]], [100 * curve[0]["hesitation_takeover"]], "x", color="k")
+    ax[2].set_xlabel("mean wait on complete turns (ms)")
     ax[2].set_ylabel("takeover at 0.3-0.5 s hesitations (%)")
     ax[2].set_title("graded wait below the chosen threshold (x: two steps)")
     for a in ax:
