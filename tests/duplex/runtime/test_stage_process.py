@@ -180,3 +180,46 @@ def test_a_script_without_a_main_guard_can_start_one(tmp_path) -> None:
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "total 7"
+
+
+def test_the_child_exits_when_its_parent_is_killed(tmp_path) -> None:
+    # a server killed with SIGKILL runs no cleanup: the child must not stay behind holding its memory
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import time\n"
+        "from duplex.runtime.stage_process import StageProcess\n"
+        "from duplex.testing.fakes import counter_stage\n"
+        "stage = StageProcess(counter_stage, (0,)).wait_ready(60)\n"
+        "print(stage.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            # reaped by init once it exits; until then it may linger as a zombie: check its state
+            try:
+                with open(f"/proc/{child}/stat") as f:
+                    if f.read().split(")")[-1].split()[0] == "Z":
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, signal.SIGKILL)
+            raise AssertionError("the child outlived its killed parent by 10 s")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
