@@ -135,7 +135,6 @@ class SessionCore:
         self.samples_in = 0
         self._arrivals: list[tuple[int, float]] = []  # (sample index at end of a frame, arrival time)
         self._recent_audio = RecentAudio(int(SR * 3))  # last few seconds of input, for pre-roll
-        self._arrival_ends: list[int] = []  # the sample indices of _arrivals, for bisect
         self.segment: Segment | None = None
         self.response: Response | None = None
         self._finished_response: Response | None = None  # still playing out after completion
@@ -164,10 +163,8 @@ class SessionCore:
         now = self.clock()
         self.samples_in += x.size
         self._arrivals.append((self.samples_in, now))
-        self._arrival_ends.append(self.samples_in)
         if len(self._arrivals) > 4000:
             del self._arrivals[:2000]
-            del self._arrival_ends[:2000]
         self._recent_audio.append(x)
         if self.segment is not None and not self.segment.ended:
             self.segment.audio.append(x)
@@ -983,7 +980,7 @@ class SessionCore:
 
     def _arrival_time(self, sample: int) -> float:
         """Clock time at which input sample `sample` arrived (the frame that carried it)."""
-        i = bisect.bisect_right(self._arrival_ends, sample)
+        i = bisect.bisect_right(self._arrivals, sample, key=_sample_of)
         if i >= len(self._arrivals):
             return self._arrivals[-1][1] if self._arrivals else self.clock()
         return self._arrivals[i][1]
@@ -1237,3 +1234,7 @@ def _ms(value: Any) -> float | None:
 def _slot(job: Job) -> str:
     """In-flight slots: one job per stage per session, except final transcriptions (own slot)."""
     return "asr.final" if job.label == "asr.final" else job.stage
+
+
+def _sample_of(arrival: tuple[int, float]) -> int:
+    return arrival[0]
