@@ -142,6 +142,7 @@ class StageProcess:
                 self._address,
                 self._authkey,
                 logging.getLogger().getEffectiveLevel(),
+                _log_format(),
             )
         )
         log.info("%s: process %d starting (generation %d)", self.name, self._process.pid, self.generation)
@@ -342,6 +343,14 @@ class StageProcess:
         self._start_locked()
 
 
+def _log_format() -> str:
+    """ "json" when this process logs JSON lines (`duplex serve --log-format json`), else "text"."""
+    from duplex.runtime.logs import JsonFormatter
+
+    handlers = logging.getLogger().handlers
+    return "json" if any(isinstance(h.formatter, JsonFormatter) for h in handlers) else "text"
+
+
 def by_name(target: str, *args: Any, **kwargs: Any) -> Any:
     """Call `module:function` with the arguments: a factory the parent can name without importing its
     module (the dialogue engine's brings torch and transformers, which the parent then never loads)."""
@@ -486,10 +495,10 @@ def run_child() -> None:
     """The child's main (`python -m duplex.runtime.stage_child`)."""
     report = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever the stage prints goes to stderr; fd 1 of old carries the one message
-    factory, args, kwargs, attributes, address, authkey, log_level = pickle.load(sys.stdin.buffer)
-    logging.basicConfig(
-        level=log_level, format="%(asctime)s %(levelname)s %(name)s [stage process]: %(message)s"
-    )
+    factory, args, kwargs, attributes, address, authkey, log_level, log_format = pickle.load(sys.stdin.buffer)
+    from duplex.runtime.logs import setup_logging
+
+    setup_logging(log_level, log_format)  # as the parent logs (`duplex serve --log-format json`)
     try:
         from duplex.runtime.openmp import loading_without_pools
 

@@ -223,3 +223,25 @@ def test_the_child_exits_when_its_parent_is_killed(tmp_path) -> None:
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_the_child_logs_as_the_parent_does(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "json_logs.py"
+    script.write_text(
+        "import logging\n"
+        "from duplex.runtime.logs import setup_logging\n"
+        "from duplex.runtime.stage_process import StageProcess\n"
+        "from duplex.testing.fakes import counter_stage\n"
+        "setup_logging(logging.INFO, 'json')\n"
+        "stage = StageProcess(counter_stage, (0,)).wait_ready(60)\n"
+        "stage.close()\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line, the child's too, is a JSON object
+    assert any(r["logger"] == "duplex.runtime.openmp" for r in records)  # logged in the child
