@@ -39,10 +39,6 @@ from typing import Any
 
 import numpy as np
 
-from dialogue.training.relay_labels import MARGIN as KEEP_MARGIN
-
-# a committed draft "keeps" the answer when it loses at most this much of the per-token likelihood
-# judge's grade: the margin of the verifier's judge labels
 from duplex.base.paths import DATA_ROOT
 
 log = logging.getLogger("duplex.eval")
@@ -536,9 +532,19 @@ def slow_scored_relay(rows: list[dict[str, Any]], n_committed: int) -> dict[str,
     }
 
 
-def judge_labelled(rows: list[dict[str, Any]], margin: float = KEEP_MARGIN) -> list[tuple[float, int]]:
-    """(verifier score, 1 iff committing the draft lost at most `margin` of the per-token likelihood
-    judge's grade) for every row with a draft to commit and both grades."""
+def keep_margin() -> float:
+    """A committed draft "keeps" the answer when it loses at most this much of the per-token likelihood
+    judge's grade: the margin of the verifier's judge labels (imported when needed: its module brings
+    torch, which `duplex serve` does not otherwise load with the engine in its own process)."""
+    from dialogue.training.relay_labels import MARGIN
+
+    return float(MARGIN)
+
+
+def judge_labelled(rows: list[dict[str, Any]], margin: float | None = None) -> list[tuple[float, int]]:
+    """(verifier score, 1 iff committing the draft lost at most `margin` (default `keep_margin()`) of the
+    per-token likelihood judge's grade) for every row with a draft to commit and both grades."""
+    margin = keep_margin() if margin is None else margin
     key = JUDGES["likelihood"]
     return [
         (float(r["p"]), int(r["slow"][key] - r["commit"][key] <= margin))
@@ -630,7 +636,7 @@ def report(results: dict[str, Any]) -> str:
         if r.get("n_judge_labelled"):
             lines.append(
                 f"  verifier AUROC {r['verifier_auroc_judge']:.3f} against what committing did to the answer "
-                f"(n={r['n_judge_labelled']}; kept = loses at most {KEEP_MARGIN} of the per-token judge)"
+                f"(n={r['n_judge_labelled']}; kept = loses at most {keep_margin()} of the per-token judge)"
             )
         pts = [("engine", r)] + list(r.get("operating_points", {}).items())
         for name, m in pts:

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,15 +34,23 @@ def capacity_file() -> Path:
     return Path(root) / "capacity.json"
 
 
-def device_signature() -> str:
-    """The device the stages run on: the CUDA device when torch sees one, else CPU model x cores."""
-    try:
-        import torch
+#: where the NVIDIA driver shows itself; without it no CUDA device can be seen
+NVIDIA_DRIVER = Path("/proc/driver/nvidia")
 
-        if torch.cuda.is_available():
-            return f"cuda:{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
-    except Exception:  # no torch, or a broken CUDA install: the CPU figure applies
-        pass
+
+def device_signature() -> str:
+    """The device the stages run on: the CUDA device when torch sees one, else CPU model x cores.
+
+    torch is imported only where a CUDA device can exist (the NVIDIA driver is loaded) or it already is:
+    a CPU server whose torch stages run in the engine's process never loads it (200 MB) for this."""
+    if "torch" in sys.modules or NVIDIA_DRIVER.is_dir():
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return f"cuda:{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+        except Exception:  # no torch, or a broken CUDA install: the CPU figure applies
+            pass
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -79,3 +79,20 @@ def test_service_admits_the_calibrated_number_and_reports_it(tmp_path, monkeypat
         service.sessions.clear()
     finally:
         service.close()
+
+
+def test_the_device_signature_does_not_import_torch_on_a_machine_without_cuda(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "import duplex.runtime.capacity as c\n"
+        f"c.NVIDIA_DRIVER = Path({str(tmp_path / 'no-driver')!r})\n"
+        "sig = c.device_signature()\n"
+        "print(sig.startswith('cpu:'), 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"]

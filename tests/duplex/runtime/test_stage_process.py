@@ -245,3 +245,20 @@ def test_the_child_logs_as_the_parent_does(tmp_path) -> None:
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     records = [json.loads(line) for line in lines]  # every line, the child's too, is a JSON object
     assert any(r["logger"] == "duplex.runtime.openmp" for r in records)  # logged in the child
+
+
+def test_the_server_process_does_not_import_torch_for_its_command_line() -> None:
+    # with the engine in its own process, a CPU profile's server (ONNX VAD, ASR and voice) needs no
+    # torch: 200 MB it would otherwise hold twice
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import duplex.cli, duplex.runtime.service, duplex.transports.gateway\n"
+        "duplex.cli.build_parser()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
