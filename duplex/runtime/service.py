@@ -95,8 +95,6 @@ def build_stages(profile: Profile, progress: bool = True, llm_process: StageProc
 def start_llm_process(profile: Profile, progress: bool = True) -> StageProcess:
     """Start loading the profile's dialogue engine in a process of its own (`limits.llm_process`): its steps
     then no longer wait for the event loop's GIL (duplex/runtime/stage_process.py)."""
-    # the components are checked here, where a bad profile fails at once with the usual error
-    profile.component("llm")
     return StageProcess(
         by_name,
         ("dialogue.engine:load_dialogue_stage", profile.component("llm"), profile.components.get("drafter")),

@@ -236,10 +236,23 @@ class StageProcess:
                 )
         outs = [self._handle(fresh=False, generation=generation) for _ in items]
         request = [(s.id, s.fresh, o.id, chunk) for (s, chunk), o in zip(items, outs, strict=True)]
-        freed = self._drain_freed()
+        kind, payload = self._exchange(conn, generation, "step", request)
+        if kind == "raise":
+            raise payload
+        return [(out, handle) for out, handle in zip(payload, outs, strict=True)]
+
+    def info(self) -> dict[str, Any]:
+        """The child's count of live states (after freeing the dropped ones) and its pid."""
+        conn, generation = self._connection()
+        _, payload = self._exchange(conn, generation, "info", None)
+        return dict(payload)
+
+    def _exchange(self, conn: Any, generation: int, kind: str, request: Any) -> tuple[str, Any]:
+        """Send one request (with the ids of the states dropped since the last) and take its reply; a
+        broken connection marks this child for replacement and raises `StageProcessDied`."""
         try:
-            conn.send(("step", request, freed))
-            kind, payload = conn.recv()
+            conn.send((kind, request, self._drain_freed()))
+            return conn.recv()  # type: ignore[no-any-return]
         except (EOFError, OSError) as exc:
             self._forget_connection()
             self._broken = generation
@@ -247,23 +260,8 @@ class StageProcess:
                 self._process.join(1.0)  # it is exiting: its exit code says why
             code = self._process.exitcode if self._process is not None else None
             raise StageProcessDied(
-                f"{self.name}: its process (pid {self.pid}) exited during a step (exit code {code})"
+                f"{self.name}: its process (pid {self.pid}) exited during a {kind} request (exit code {code})"
             ) from exc
-        if kind == "raise":
-            raise payload
-        return [(out, handle) for out, handle in zip(payload, outs, strict=True)]
-
-    def info(self) -> dict[str, Any]:
-        """The child's count of live states (after freeing the dropped ones) and its pid."""
-        conn, _ = self._connection()
-        try:
-            conn.send(("info", None, self._drain_freed()))
-            _, payload = conn.recv()
-        except (EOFError, OSError) as exc:
-            self._forget_connection()
-            self._broken = self.generation
-            raise StageProcessDied(f"{self.name}: its process (pid {self.pid}) exited") from exc
-        return dict(payload)
 
     def disconnect(self) -> None:
         """Close the calling thread's connection (its thread in the child ends and frees its OpenMP pool):
@@ -378,9 +376,7 @@ class _Served:
         self.stage = stage
         self.states: dict[int, Any] = {}
 
-    def step(self, request: list[tuple[int, bool, int, Any]], freed: list[int]) -> tuple[str, Any]:
-        for state_id in freed:
-            self.states.pop(state_id, None)
+    def step(self, request: list[tuple[int, bool, int, Any]]) -> tuple[str, Any]:
         try:
             items = []
             for in_id, fresh, _, chunk in request:
@@ -407,17 +403,17 @@ class _Served:
                     kind, request, freed = conn.recv()
                 except (EOFError, OSError):
                     return
+                for state_id in freed:
+                    self.states.pop(state_id, None)
                 if kind == "info":
-                    for state_id in freed:
-                        self.states.pop(state_id, None)
                     reply: tuple[str, Any] = ("ok", {"states": len(self.states), "pid": os.getpid()})
                 elif kind == "step":
-                    reply = self.step(request, freed)
+                    reply = self.step(request)
                 else:
                     reply = ("raise", ValueError(f"unknown request {kind!r}"))
                 try:
                     conn.send(reply)
-                except (OSError, BrokenPipeError):
+                except OSError:
                     return
                 except Exception as exc:  # an output that cannot be pickled
                     conn.send(("raise", RuntimeError(f"the stage's output could not be sent: {exc!r}")))

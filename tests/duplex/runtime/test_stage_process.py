@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +25,15 @@ from duplex.runtime.stage_process import (
     StateLost,
 )
 from duplex.testing.fakes import counter_stage
+
+
+def _run_script(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+    """Run `source` as a script of its own (its own main module) and return what it did; it must succeed."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done
 
 
 @pytest.fixture(scope="module")
@@ -166,28 +180,19 @@ def test_close_ends_the_child() -> None:
 def test_a_script_without_a_main_guard_can_start_one(tmp_path) -> None:
     # multiprocessing's "spawn" re-runs the parent's main script in the child: such a script would start
     # processes without end. The child here is `python -m duplex.runtime.stage_child` instead.
-    script = tmp_path / "top_level.py"
-    script.write_text(
+    done = _run_script(
+        tmp_path,
         "from duplex.runtime.stage_process import StageProcess\n"
         "from duplex.testing.fakes import counter_stage\n"
         "stage = StageProcess(counter_stage, (5,)).wait_ready(60)\n"
         "print('total', stage.step(stage.init_state(), 2)[0])\n"
-        "stage.close()\n"
+        "stage.close()\n",
     )
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "total 7"
 
 
 def test_the_child_exits_when_its_parent_is_killed(tmp_path) -> None:
     # a server killed with SIGKILL runs no cleanup: the child must not stay behind holding its memory
-    import signal
-    import subprocess
-    import sys
-
     script = tmp_path / "parent.py"
     script.write_text(
         "import time\n"
@@ -226,22 +231,16 @@ def test_the_child_exits_when_its_parent_is_killed(tmp_path) -> None:
 
 
 def test_the_child_logs_as_the_parent_does(tmp_path) -> None:
-    import json
-    import subprocess
-    import sys
-
-    script = tmp_path / "json_logs.py"
-    script.write_text(
+    done = _run_script(
+        tmp_path,
         "import logging\n"
         "from duplex.runtime.logs import setup_logging\n"
         "from duplex.runtime.stage_process import StageProcess\n"
         "from duplex.testing.fakes import counter_stage\n"
         "setup_logging(logging.INFO, 'json')\n"
         "stage = StageProcess(counter_stage, (0,)).wait_ready(60)\n"
-        "stage.close()\n"
+        "stage.close()\n",
     )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     records = [json.loads(line) for line in lines]  # every line, the child's too, is a JSON object
     assert any(r["logger"] == "duplex.runtime.openmp" for r in records)  # logged in the child
@@ -250,9 +249,6 @@ def test_the_child_logs_as_the_parent_does(tmp_path) -> None:
 def test_the_server_process_does_not_import_torch_for_its_command_line() -> None:
     # with the engine in its own process, a CPU profile's server (ONNX VAD, ASR and voice) needs no
     # torch: 200 MB it would otherwise hold twice
-    import subprocess
-    import sys
-
     code = (
         "import sys\n"
         "import duplex.cli, duplex.runtime.service, duplex.transports.gateway\n"
