@@ -76,6 +76,18 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
+class TextFormatter(logging.Formatter):
+    """`time LEVEL logger [session]: message`; lines outside a session carry no tag (not `[None]`)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s%(session_tag)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        sid = getattr(record, "session_id", None)
+        record.session_tag = "" if sid is None else f" [{sid}]"
+        return super().format(record)
+
+
 def setup_logging(level: int, fmt: str = "text") -> None:
     """Configure the root logger: `fmt` is "text" (human) or "json" (one object per line)."""
     handler = logging.StreamHandler()
@@ -83,9 +95,7 @@ def setup_logging(level: int, fmt: str = "text") -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(session_id)s]: %(message)s")
-        )
+        handler.setFormatter(TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
