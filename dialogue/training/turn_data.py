@@ -1197,35 +1197,46 @@ HEARD_FILE = DATA_ROOT / "dialogue" / "turn_heard.jsonl"
 HEARD_KIND = "+heard"  # suffix of a heard example's kind
 
 
-def read_heard(path: Path = HEARD_FILE) -> dict[str, str]:
-    """text -> what the ASR heard (empty if the file is missing)."""
+def read_heard(path: Path = HEARD_FILE, voice_set: int | None = None) -> dict[str, list[str]]:
+    """text -> what the ASR heard, one transcript per voice set that spoke it (set 0: hibari and plain
+    espeak; set 1: the natural training voices, `heard_turns.VOICE_SETS`); `voice_set` keeps one set.
+    Rows without a `set` are set 0. Empty if the file is missing."""
     if not path.is_file():
         return {}
-    out: dict[str, str] = {}
+    out: dict[str, list[str]] = {}
     for line in path.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            out[str(row["text"])] = str(row["heard"])
+            if voice_set is not None and int(row.get("set", 0)) != voice_set:
+                continue
+            out.setdefault(str(row["text"]), []).append(str(row["heard"]))
     return out
 
 
-def heard_variants(examples: Iterable[Mapping[str, Any]], heard: Mapping[str, str]) -> list[dict[str, Any]]:
-    """For each turn-head example whose transcript differs from its text (beyond punctuation and
-    case, which the head does not see), the transcript as an example of the same label and group."""
+def heard_variants(
+    examples: Iterable[Mapping[str, Any]], heard: Mapping[str, str | Sequence[str]]
+) -> list[dict[str, Any]]:
+    """For each turn-head example, each of its transcripts that differs from its text and from the
+    others (beyond punctuation and case, which the head does not see), as an example of the same
+    label and group."""
     from dialogue.turn_taking import normalize_user_text
 
     out = []
     for ex in examples:
         if ex.get("head", "turn") != "turn":
             continue
-        h = heard.get(str(ex["text"]))
-        if not h or not h.strip():
+        got = heard.get(str(ex["text"]))
+        if not got:
             continue
-        if normalize_user_text(h).lower() == normalize_user_text(str(ex["text"])).lower():
-            continue
-        out.append(
-            dict(ex) | {"text": h, "kind": f"{ex.get('kind', '')}{HEARD_KIND}", "heard_from": ex["text"]}
-        )
+        seen = {normalize_user_text(str(ex["text"])).lower()}
+        for h in [got] if isinstance(got, str) else got:
+            key = normalize_user_text(h).lower()
+            if not h.strip() or key in seen:
+                continue
+            seen.add(key)
+            out.append(
+                dict(ex) | {"text": h, "kind": f"{ex.get('kind', '')}{HEARD_KIND}", "heard_from": ex["text"]}
+            )
     return out
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dialogue.training import heard_turns as H
 from dialogue.training import turn_data as D
 
@@ -39,6 +41,9 @@ def test_heard_variants_keep_label_and_group_and_skip_what_the_head_cannot_tell_
     assert [(e["text"], e["label"], e["group"], e["kind"], e["heard_from"]) for e in out] == [
         ("What a thing, too.", 0, "g1", "cut+heard", "What a thing to")
     ]
+    # a text heard in two voice sets: each transcript with other words is one example, once
+    two = {"What a thing to": ["What a thing, too.", "what a thing too", "What a think to."]}
+    assert [e["text"] for e in D.heard_variants(examples, two)] == ["What a thing, too.", "What a think to."]
 
 
 def test_voices_are_a_pure_function_of_the_text():
@@ -52,9 +57,26 @@ def test_voices_are_a_pure_function_of_the_text():
 def test_read_heard_resumes_from_the_file(tmp_path):
     path = tmp_path / "heard.jsonl"
     assert D.read_heard(path) == {}
-    path.write_text(json.dumps({"text": "a", "heard": "A.", "voice": "hibari"}) + "\n\n")
-    assert D.read_heard(path) == {"a": "A."}
-    assert H.transcribe_all(["a"], path=path) == 0  # nothing left to do: no model is loaded
+    rows = [
+        {"text": "a", "heard": "A.", "voice": "hibari"},
+        {"text": "a", "heard": "Eh.", "voice": "flite:kal", "set": 1},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    assert D.read_heard(path) == {"a": ["A.", "Eh."]}
+    assert D.read_heard(path, 0) == {"a": ["A."]} and D.read_heard(path, 1) == {"a": ["Eh."]}
+    # nothing left to do in either set: no model is loaded
+    assert H.transcribe_all(["a"], path=path) == 0 and H.transcribe_all(["a"], path=path, voice_set=1) == 0
+
+
+def test_the_natural_voice_set_never_speaks_in_a_held_out_voice():
+    from asr.training.speakers import HELDOUT_NATURAL, available_engines
+
+    if not {"flite", "hibari"} & set(available_engines()):
+        pytest.skip("no natural voice installed")
+    voices = [H.natural_voice_for(f"sentence number {i}") for i in range(300)]
+    assert voices[:20] == [H.natural_voice_for(f"sentence number {i}") for i in range(20)]  # pure
+    assert not {v.name for v in voices} & set(HELDOUT_NATURAL)
+    assert all(v.engine in H.NATURAL_SHARES for v in voices) and len({v.engine for v in voices}) >= 2
 
 
 def test_shipped_transcripts_cover_the_turn_examples():
@@ -62,7 +84,7 @@ def test_shipped_transcripts_cover_the_turn_examples():
     typed = {e["text"]: e for e in D.build_examples(progress=False, heard=False) if e["head"] == "turn"}
     texts = set(typed)
     assert heard, "data/dialogue/turn_heard.jsonl is missing: python -m dialogue.training.heard_turns"
-    missing = texts - set(heard)
+    missing = texts - set(D.read_heard(voice_set=0))
     assert len(missing) <= 0.01 * len(texts), f"{len(missing)} of {len(texts)} turn examples not transcribed"
     variants = [e for e in D.build_examples(progress=False) if str(e.get("kind", "")).endswith("+heard")]
     # most transcripts differ from the text in some word: that is why they are examples
