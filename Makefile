@@ -102,7 +102,10 @@ train: train-drafter train-turn train-verifier
 train-drafter: setup
 	$(PY) -m dialogue.training.train_drafter
 
+# the drafter's hidden states are cached (~/.cache/duplex/turn_features): filled by one process per core first
 train-turn: setup
+	$(PY) -m dialogue.training.train_turn --features-only 0/2 --no-progress & p=$$!; \
+	$(PY) -m dialogue.training.train_turn --features-only 1/2 && wait $$p
 	$(PY) -m dialogue.training.train_turn
 
 train-verifier: setup

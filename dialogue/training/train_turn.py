@@ -607,6 +607,10 @@ def _limit(examples: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, 
     return out
 
 
+def _hash_mod(key: str, n: int) -> int:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % n
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -634,9 +638,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="typed text only (without the ASR transcripts of dialogue/training/heard_turns.py)",
     )
+    ap.add_argument(
+        "--features-only",
+        metavar="K/N",
+        default=None,
+        help="only fill the feature cache, for the examples whose group hashes to K mod N, and exit: run N "
+        "of these at once (one per core), then the plain command trains from the cache",
+    )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     progress = not args.no_progress
+    shard: tuple[int, int] | None = None
+    if args.features_only:
+        try:
+            shard = tuple(int(x) for x in args.features_only.split("/"))  # type: ignore[assignment]
+            assert shard is not None and len(shard) == 2 and 0 <= shard[0] < shard[1]
+        except (ValueError, AssertionError):
+            ap.error(f"--features-only {args.features_only!r}: want K/N with 0 <= K < N")
     torch.set_num_threads(1)  # a shared 2-core machine: one thread is what the engine gets too
     t0 = time.time()
 
@@ -664,6 +682,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         else hashlib.sha256(f"{D.DRAFTER['sha256']}+{adapter_sha}".encode()).hexdigest()
     )
     store = FeatureStore(features_dir(), drafter_id)
+    if shard is not None:
+        k, n = shard
+        mine = {name: [e for e in exs if _hash_mod(str(e["group"]), n) == k] for name, exs in splits.items()}
+        for split, exs in mine.items():
+            extract_features(model, tok, exs, system, store, progress=progress, desc=f"hidden states {split}")
+        if not args.no_engine_check:
+            extract_features(
+                model, tok, mine["heldout"], system, store, "sliced", progress, "sliced held-out"
+            )
+        print(f"features {k}/{n}: {store.misses} computed, {store.hits} cached", file=sys.stderr)
+        return 0
     feats: dict[str, torch.Tensor] = {}
     ys: dict[str, torch.Tensor] = {}
     rows: dict[str, list[dict[str, Any]]] = {}
