@@ -189,12 +189,7 @@ def speech_rows(
     from asr.training.speakers import Synth, heldout_natural_speakers
     from duplex.base.messages import AsrChunk, ListenStep
 
-    rng = random.Random(seed)
-    chosen: list[dict[str, Any]] = []
-    for lab in (LISTEN, SPEAK):
-        pool = [e for e in examples if int(e["label"]) == lab]
-        rng.shuffle(pool)
-        chosen += pool[: n // 2]
+    chosen = speech_examples(examples, n, seed)
     speakers = heldout_natural_speakers()
     synth, nprng = Synth(), np.random.default_rng(seed)
     rows = []
@@ -210,6 +205,36 @@ def speech_rows(
         heard = str(res.text or "").strip()
         out, _ = stage.step(stage.init_state(), ListenStep(list(ex.get("history") or []), heard, False))
         rows.append(_row(ex, heard, speaker.name, out.probs))
+    return rows
+
+
+def speech_examples(examples: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
+    """The held-out turns `speech_rows` speaks, in its order: n // 2 cut, then n // 2 complete."""
+    rng = random.Random(seed)
+    chosen: list[dict[str, Any]] = []
+    for lab in (LISTEN, SPEAK):
+        pool = [e for e in examples if int(e["label"]) == lab]
+        rng.shuffle(pool)
+        chosen += pool[: n // 2]
+    return chosen
+
+
+def rescored_speech_rows(
+    stage: Any, examples: list[dict[str, Any]], old: list[dict[str, Any]], seed: int, progress: bool
+) -> list[dict[str, Any]]:
+    """An earlier run's speech rows with the current turn head's outputs on the same transcripts (no
+    speech is made or transcribed again): a paired comparison of two heads."""
+    from tqdm.auto import tqdm
+
+    from duplex.base.messages import ListenStep
+
+    chosen = speech_examples(examples, len(old), seed)
+    if [e["text"] for e in chosen] != [r["text"] for r in old]:
+        raise SystemExit("eval eot --rescore: those speech rows were made from other held-out turns or seed")
+    rows = []
+    for ex, r in zip(tqdm(chosen, desc="turn head (transcripts)", disable=not progress), old, strict=True):
+        out, _ = stage.step(stage.init_state(), ListenStep(list(ex.get("history") or []), r["heard"], False))
+        rows.append(_row(ex, r["heard"], r["voice"], out.probs))
     return rows
 
 
@@ -321,6 +346,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--rows", default=None, metavar="JSON", help="reuse the turn-head outputs of an earlier eot.json"
     )
     ap.add_argument(
+        "--rescore",
+        default=None,
+        metavar="JSON",
+        help="reuse the speech transcripts of an earlier eot.json with the current turn head (no ASR run)",
+    )
+    ap.add_argument(
         "--write", action="store_true", help="store the chosen threshold in the turn heads' metadata"
     )
     ap.add_argument("--no-progress", action="store_true")
@@ -414,7 +445,10 @@ def _collect(args: argparse.Namespace, progress: bool) -> tuple[list[dict[str, A
         if e.get("head", "turn") == "turn" and int(e["label"]) in (LISTEN, SPEAK)
     ]
     rows = text_rows(stage, examples, progress)
-    if args.speech:
+    if args.rescore:
+        old = [r for r in json.loads(Path(args.rescore).read_text())["rows"] if r["voice"] != "text"]
+        rows += rescored_speech_rows(stage, examples, old, args.seed, progress)
+    elif args.speech:
         asr = load_asr_stage(profile.component("asr"))
         rows += speech_rows(stage, asr, examples, args.speech, args.seed, progress)
     return rows, _policy_of(stage)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
-from duplex.base.turn_policy import TurnPolicy
+import pytest
+
+from duplex.base.turn_policy import LISTEN, SPEAK, TurnPolicy
+from duplex.eval import eot as E
 from duplex.eval.eot import Waits, choose, sweep, wait_ms
 
 POLICY = TurnPolicy(0.5, 0.7, 0.5, take_threshold=0.6)
@@ -71,3 +74,34 @@ def test_graded_sweep_trades_the_p90_wait_for_takeover():
     assert math.isclose(at65["hesitation_takeover"], 0.1 + 0.1 * (500 - 440) / 200)
     assert choose_graded({"text": curve}, {"text": 0.135}) == 0.65  # at 0.6: 0.15
     assert choose_graded({"text": curve}, {"text": 0.125}) is None
+
+
+class _LengthHead:
+    """A turn head that calls a transcript complete by its length: P(listen) = 1 / words."""
+
+    def init_state(self) -> None:
+        return None
+
+    def step(self, state: None, step: object) -> tuple[object, None]:
+        from types import SimpleNamespace
+
+        words = max(1, len(str(step.text).split()))  # type: ignore[attr-defined]
+        return SimpleNamespace(probs=[1 / words, 0.0, 1 - 1 / words]), None
+
+
+def test_rescoring_reuses_the_transcripts_and_refuses_other_turns() -> None:
+    examples = [
+        {"text": f"turn {i} " + "word " * i, "label": LISTEN if i % 2 else SPEAK, "kind": "k", "history": []}
+        for i in range(1, 11)
+    ]
+    old = [
+        E._row(ex, f"heard {ex['text']}", "flite:slt", [0.5, 0.0, 0.5])
+        for ex in E.speech_examples(examples, 6, 0)
+    ]
+    rows = E.rescored_speech_rows(_LengthHead(), examples, old, seed=0, progress=False)
+    assert [(r["text"], r["heard"], r["voice"], r["label"]) for r in rows] == [
+        (o["text"], o["heard"], o["voice"], o["label"]) for o in old
+    ]
+    assert [r["probs"][0] for r in rows] == [round(1 / len(o["heard"].split()), 5) for o in old]
+    with pytest.raises(SystemExit, match="other held-out turns"):
+        E.rescored_speech_rows(_LengthHead(), examples, old, seed=1, progress=False)
