@@ -639,6 +639,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="typed text only (without the ASR transcripts of dialogue/training/heard_turns.py)",
     )
     ap.add_argument(
+        "--heard-sets",
+        default="0",
+        help="voice sets of heard_turns.py to learn from, e.g. 0,1 (the shipped heads: 0; with 1 the "
+        "2026-11-27 A/B moved the operating point, not the separation: docs/dialogue.md)",
+    )
+    ap.add_argument(
         "--features-only",
         metavar="K/N",
         default=None,
@@ -658,10 +664,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)  # a shared 2-core machine: one thread is what the engine gets too
     t0 = time.time()
 
-    examples = D.build_examples(seed=args.seed, progress=progress, heard=not args.no_heard)
+    heard_sets = tuple(int(x) for x in args.heard_sets.split(",") if x.strip())
+    examples = D.build_examples(
+        seed=args.seed, progress=progress, heard=not args.no_heard, heard_sets=heard_sets
+    )
     splits = D.split_examples(examples, args.seed)
     # the held-out file stays typed text: `duplex eval dialogue` speaks and transcribes it itself
-    D.write_jsonl(D.EVAL_FILE, [e for e in splits["heldout"] if not is_heard(e)])
+    if shard is None:  # not from the feature processes, which run side by side
+        D.write_jsonl(D.EVAL_FILE, [e for e in splits["heldout"] if not is_heard(e)])
     if args.limit:
         splits = {
             k: _limit(v, max(1, round(args.limit * share)), args.seed)
@@ -799,6 +809,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "path": str(HEARD_FILE.relative_to(HEARD_FILE.parents[2])),
                 "sha256": _sha256(HEARD_FILE),
                 "examples": sum(1 for e in examples if is_heard(e)),
+                "voice_sets": list(heard_sets),
             },
             "eval_file": {
                 "path": str(D.EVAL_FILE.relative_to(D.EVAL_FILE.parents[2])),

@@ -1119,7 +1119,11 @@ def _is_request(text: str) -> bool:
 
 
 def build_examples(
-    seed: int = 0, generated_path: Path = GENERATED_FILE, progress: bool = True, heard: bool = True
+    seed: int = 0,
+    generated_path: Path = GENERATED_FILE,
+    progress: bool = True,
+    heard: bool = True,
+    heard_sets: Sequence[int] = (0,),
 ) -> list[dict[str, Any]]:
     """Every labelled example of both heads (generating the caller lines once if not cached); with
     `heard`, also the turn examples as the ASR transcribed them (dialogue/training/heard_turns.py), where it
@@ -1127,7 +1131,11 @@ def build_examples(
     generated = generate_lines(generated_path, seed=seed, progress=progress)
     turn = turn_examples(generated, seed=seed)
     if heard:
-        turn += heard_variants(turn, read_heard())
+        by_text: dict[str, list[str]] = {}
+        for voice_set in heard_sets:  # the voice sets of heard_turns.py the heads learn from
+            for text, got in read_heard(voice_set=voice_set).items():
+                by_text.setdefault(text, []).extend(got)
+        turn += heard_variants(turn, by_text)
     questions: list[tuple[str, str, str]] = []
     for group, utts in corpus_conversations():
         for k in range(0, len(utts), 2):  # the corpus's user side
