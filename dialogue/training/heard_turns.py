@@ -27,6 +27,7 @@ text's voice is a pure function of the text and the set (seeded hash), so a reru
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import sys
@@ -65,10 +66,6 @@ def voice_for(text: str, seed: int = 0) -> Any:
     return random_voice(rng, easy=True)
 
 
-def _shard_of(text: str, n: int) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") % n
-
-
 def natural_voice_for(text: str, seed: int = 0) -> Any:
     """Voice set 1: a natural training voice of the streaming ASR (never a held-out one), drawn by
     `NATURAL_SHARES` over the engines installed here; a pure function of the text."""
@@ -81,15 +78,11 @@ def natural_voice_for(text: str, seed: int = 0) -> Any:
     return table.draw(_voice_rng(text, seed * 1000 + 1))
 
 
-_TABLES: dict[tuple[str, ...], Any] = {}
-
-
+@functools.cache
 def _natural_table(engines: tuple[str, ...]) -> Any:
     from asr.training.speakers import SpeakerTable, training_speakers
 
-    if engines not in _TABLES:
-        _TABLES[engines] = SpeakerTable(training_speakers(engines), dict(NATURAL_SHARES))
-    return _TABLES[engines]
+    return SpeakerTable(training_speakers(engines), dict(NATURAL_SHARES))
 
 
 def transcribe_all(
@@ -175,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     k, n_shards = (int(x) for x in args.shard.split("/"))
     if not 0 <= k < n_shards:
         ap.error(f"--shard {args.shard}: K must be in 0..N-1")
-    texts = [t for t in texts if _shard_of(t, n_shards) == k]
+    texts = [t for t in texts if D.shard_of(t, n_shards) == k]
     t0 = time.time()
     n = transcribe_all(
         texts,

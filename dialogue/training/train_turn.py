@@ -607,10 +607,6 @@ def _limit(examples: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, 
     return out
 
 
-def _hash_mod(key: str, n: int) -> int:
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % n
-
-
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -694,7 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     store = FeatureStore(features_dir(), drafter_id)
     if shard is not None:
         k, n = shard
-        mine = {name: [e for e in exs if _hash_mod(str(e["group"]), n) == k] for name, exs in splits.items()}
+        mine = {name: [e for e in exs if D.shard_of(str(e["group"]), n) == k] for name, exs in splits.items()}
         for split, exs in mine.items():
             extract_features(model, tok, exs, system, store, progress=progress, desc=f"hidden states {split}")
         if not args.no_engine_check:

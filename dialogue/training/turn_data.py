@@ -1205,6 +1205,11 @@ HEARD_FILE = DATA_ROOT / "dialogue" / "turn_heard.jsonl"
 HEARD_KIND = "+heard"  # suffix of a heard example's kind
 
 
+def shard_of(key: str, n: int) -> int:
+    """Which of n processes handles `key` (a text or a group): a seeded hash, stable across runs."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % n
+
+
 def read_heard(path: Path = HEARD_FILE, voice_set: int | None = None) -> dict[str, list[str]]:
     """text -> what the ASR heard, one transcript per voice set that spoke it (set 0: hibari and plain
     espeak; set 1: the natural training voices, `heard_turns.VOICE_SETS`); `voice_set` keeps one set.

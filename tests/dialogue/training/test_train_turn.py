@@ -6,14 +6,15 @@ from __future__ import annotations
 import torch
 
 from dialogue.training import train_turn as T
+from dialogue.training import turn_data as D
 
 
 def test_shards_split_the_groups_between_processes() -> None:
     groups = [f"group-{i}" for i in range(400)]
-    shards = [[g for g in groups if T._hash_mod(g, 2) == k] for k in range(2)]
+    shards = [[g for g in groups if D.shard_of(g, 2) == k] for k in range(2)]
     assert sorted(shards[0] + shards[1]) == sorted(groups)  # every group in exactly one shard
     assert 150 < len(shards[0]) < 250
-    assert [T._hash_mod(g, 2) for g in groups] == [T._hash_mod(g, 2) for g in groups]  # no PYTHONHASHSEED
+    assert [D.shard_of(g, 2) for g in groups] == [D.shard_of(g, 2) for g in groups]  # no PYTHONHASHSEED
 
 
 def test_stores_filled_side_by_side_are_read_as_one(tmp_path) -> None:
