@@ -5,6 +5,7 @@
 #   scripts/gpu_train_asr.sh --minutes 8                 # on the GPU machine (writes $OUT/fc_small.nemo)
 #   scripts/gpu_train_asr.sh --dry-run                   # anywhere, a few seconds: tiny model, 3 steps, export
 #   scripts/gpu_train_asr.sh --check                     # which imports are missing, then exit
+#   scripts/gpu_train_asr.sh --minutes 7 -- --total 13800  # options after -- go to train_streaming
 #
 # Environment: PYTHON (default: /opt/torch/.venv/bin/python3 if present, else .venv/bin/python, else
 # python3), OUT (default ${OUT:-gpu-out}), RUN (default runs/gpu-asr), INIT (default
@@ -18,6 +19,7 @@ MINUTES=8
 WORKERS=""
 BATCH=""
 MODE=train
+PASS=()  # after --: passed to asr.training.train_streaming (e.g. -- --total 13800 --peak-lr 8e-4)
 while [ $# -gt 0 ]; do
   case "$1" in
     --minutes) MINUTES="$2"; shift 2 ;;
@@ -25,6 +27,7 @@ while [ $# -gt 0 ]; do
     --batch-size) BATCH="$2"; shift 2 ;;
     --dry-run) MODE=dry; shift ;;
     --check) MODE=check; shift ;;
+    --) shift; PASS=("$@"); break ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -89,6 +92,7 @@ mkdir -p "$OUT"
 ARGS=(--run "$RUN" --device "$DEVICE" --minutes "$MINUTES" --workers "$WORKERS" --pool $(( WORKERS * 256 ))
       --threads 4 --every "$EVERY" --panel-n "$PANEL_N")
 [ -n "$BATCH" ] && ARGS+=(--batch-size "$BATCH")
+ARGS+=(${PASS[@]+"${PASS[@]}"})
 [ -e "$RUN/last.pt" ] || ARGS+=(--init "$INIT")
 echo "training on $DEVICE for $MINUTES min with $WORKERS data workers ($PY)"
 "$PY" -m asr.training.train_streaming "${ARGS[@]}" 2>&1 | grep -v "NeMo W" | tee "$OUT/train.log"
