@@ -683,9 +683,14 @@ def train_pool(
 
     signal.signal(signal.SIGTERM, ask_stop)
     signal.signal(signal.SIGINT, ask_stop)
+    from asr.training.speakers import available_engines
+
+    engines = _DRY_ENGINES or available_engines()
+    meta.setdefault("engines_by_restart", {})[str(step)] = list(engines)  # which voices each slice could speak
     print(
         f"recipe 2 from step {step} (t={step - start}), data batch {data_batches}, bf16 {use_bf16}, "
-        f"workers {workers}, pool {args.pool} x {args.pool_epochs} epochs, device {device}",
+        f"workers {workers}, pool {args.pool} x {args.pool_epochs} epochs, device {device}, "
+        f"voices {','.join(engines)}",
         flush=True,
     )
     log: dict[str, list[float]] = {"ctc": [], "align": [], "phone": [], "data": [], "compute": [], "gen": []}
