@@ -175,36 +175,67 @@ def text_rows(stage: Any, examples: list[dict[str, Any]], progress: bool) -> lis
 
     rows = []
     for ex in tqdm(examples, desc="turn head (text)", disable=not progress):
-        out, _ = stage.step(stage.init_state(), ListenStep(list(ex.get("history") or []), ex["text"], False))
+        out, _ = stage.step(
+            stage.init_state(),
+            ListenStep(list(ex.get("history") or []), ex["text"], prefill_slow=False, preclose=False),
+        )
         rows.append(_row(ex, ex["text"], "text", out.probs))
     return rows
 
 
 def speech_rows(
-    stage: Any, asr: Any, examples: list[dict[str, Any]], n: int, seed: int, progress: bool
+    stage: Any,
+    asr: Any,
+    examples: list[dict[str, Any]],
+    n: int,
+    seed: int,
+    progress: bool,
+    cut_audio: str = "alone",
 ) -> list[dict[str, Any]]:
-    """n turns (half complete, half cut) spoken by the held-out voices in turn, then transcribed."""
+    """n turns (half complete, half cut) spoken by the held-out voices in turn, then transcribed.
+
+    `cut_audio`: "alone" speaks a cut turn's text as it is (it ends with a finished sentence's fall);
+    "whole" speaks the sentence it was cut from and keeps the audio up to the cut (`whole_cut`), as a
+    person pausing mid-sentence sounds, plus 200 ms of silence. The complete turns are spoken the same
+    way in both."""
     from tqdm.auto import tqdm
 
     from asr.training.speakers import Synth, heldout_natural_speakers
     from duplex.base.messages import AsrChunk, ListenStep
+    from duplex.eval.whole_cut import cut_whole, whole_sentence_for
 
+    if cut_audio not in ("alone", "whole"):
+        raise ValueError(f"cut_audio must be 'alone' or 'whole', not {cut_audio!r}")
     chosen = speech_examples(examples, n, seed)
     speakers = heldout_natural_speakers()
     synth, nprng = Synth(), np.random.default_rng(seed)
     rows = []
     for i, ex in enumerate(tqdm(chosen, desc="turn head (speech)", disable=not progress)):
         speaker = speakers[i % len(speakers)]
+        whole = whole_sentence_for(ex, examples) if cut_audio == "whole" and ex["kind"] == "cut" else None
         try:
-            audio = synth.render(ex["text"], speaker, nprng).audio.astype(np.float32)
+            if whole is None:
+                audio = synth.render(ex["text"], speaker, nprng).audio.astype(np.float32)
+            else:  # the same random draws (rate, F0) for the whole sentence and the cut alone
+                draw = int(nprng.integers(2**62))
+                full = synth.render(whole, speaker, np.random.default_rng(draw)).audio
+                alone = synth.render(ex["text"], speaker, np.random.default_rng(draw)).audio
+                # then the pause's first 200 ms: the live final is asked once the VAD hears the pause
+                audio = np.concatenate([cut_whole(full, alone), np.zeros(int(0.2 * 16000), np.float32)])
         except Exception as exc:  # an engine that is not installed: say which, once
             raise SystemExit(
                 f"eval eot: cannot speak with {speaker.name} ({exc}); try `make asr-voices`"
             ) from None
         res, _ = asr.step(asr.init_state(), AsrChunk(samples=audio, transcribe=True, final=True))
         heard = str(res.text or "").strip()
-        out, _ = stage.step(stage.init_state(), ListenStep(list(ex.get("history") or []), heard, False))
-        rows.append(_row(ex, heard, speaker.name, out.probs))
+        out, _ = stage.step(
+            stage.init_state(),
+            ListenStep(list(ex.get("history") or []), heard, prefill_slow=False, preclose=False),
+        )
+        row = _row(ex, heard, speaker.name, out.probs)
+        if whole is not None:
+            row["cut_from"] = whole
+        rows.append(row)
     return rows
 
 
@@ -233,7 +264,10 @@ def rescored_speech_rows(
         raise SystemExit("eval eot --rescore: those speech rows were made from other held-out turns or seed")
     rows = []
     for ex, r in zip(tqdm(chosen, desc="turn head (transcripts)", disable=not progress), old, strict=True):
-        out, _ = stage.step(stage.init_state(), ListenStep(list(ex.get("history") or []), r["heard"], False))
+        out, _ = stage.step(
+            stage.init_state(),
+            ListenStep(list(ex.get("history") or []), r["heard"], prefill_slow=False, preclose=False),
+        )
         rows.append(_row(ex, r["heard"], r["voice"], out.probs))
     return rows
 
@@ -339,6 +373,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--profile", default=None, help="models.yaml profile (default: the file's default)")
     ap.add_argument("--speech", type=int, default=120, help="held-out turns spoken and transcribed (0 skips)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--cut-audio",
+        choices=("alone", "whole"),
+        default="alone",
+        help="speak a cut turn alone (ends like a finished sentence) or cut it from its whole sentence's audio",
+    )
     ap.add_argument("--max-hesitation-takeover", type=float, default=0.01, help="on held-out text")
     ap.add_argument("--max-hesitation-takeover-speech", type=float, default=0.05, help="on held-out speech")
     ap.add_argument("--out", default="eval-out", help="folder for eot.json and eot.png")
@@ -368,6 +408,7 @@ def run(args: argparse.Namespace) -> int:
         rows, policy = _collect(args, progress)
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cut_audio": getattr(args, "cut_audio", "alone"),
         "take_threshold": policy.take_threshold,
         "limits": {"text": args.max_hesitation_takeover, "speech": args.max_hesitation_takeover_speech},
         "waits_ms": vars(Waits()),
@@ -450,5 +491,5 @@ def _collect(args: argparse.Namespace, progress: bool) -> tuple[list[dict[str, A
         rows += rescored_speech_rows(stage, examples, old, args.seed, progress)
     elif args.speech:
         asr = load_asr_stage(profile.component("asr"))
-        rows += speech_rows(stage, asr, examples, args.speech, args.seed, progress)
+        rows += speech_rows(stage, asr, examples, args.speech, args.seed, progress, args.cut_audio)
     return rows, _policy_of(stage)
