@@ -16,6 +16,8 @@ are collected once; the sweep over `fast_take_threshold` then costs nothing. For
 - **takeover at hesitations** (a cut followed by a 0.3-0.5 s pause: taken over if the wait is
   shorter): the new risk a short wait brings;
 - **takeover at pauses** of 1-1.5 s (the issue's mid-sentence pauses; uniform in that range).
+`--cut-audio whole` speaks each cut as part of its whole sentence and cuts the audio where the cut's
+words end (`whole_cut`), as a mid-sentence pause sounds; by default the cut text is spoken alone.
 The operating point is the lowest threshold (most turns fast) whose takeover at hesitations stays
 within `--max-hesitation-takeover` on text (n ≈ 490 cuts) and `--max-hesitation-takeover-speech`
 on speech (n = 60 cuts by default: one cut is 1.7 points); `--write` stores it in the turn heads'
