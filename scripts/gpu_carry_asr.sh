@@ -5,10 +5,12 @@
 #                                       # training text -> runs/asr-text.txt.gz (the image has no wordnet)
 #   scripts/gpu_carry_asr.sh trim       # a temporary branch `gpu-carry` without what ASR training does not
 #                                       # use (LLM adapter, codec, flow voice, dialogue data, results): ~17 MB
+#   scripts/gpu_carry_asr.sh flite      # Debian's flite (binary + voice libraries, the held-out slt and the
+#                                       # unused time_awb stubbed to kal) -> runs/flite.tar.xz (~9 MB)
 #   scripts/gpu_carry_asr.sh size       # what would travel, against the 64 MiB limit
 #   scripts/gpu_carry_asr.sh restore    # back to the branch you were on; deletes `gpu-carry`
 #
-# Then, on the GPU tool: carry [".whl", "runs/asr-text.txt.gz"] and run
+# Then, on the GPU tool: carry [".whl", "runs/asr-text.txt.gz", "runs/flite.tar.xz"] and run
 #   WHEELS=.whl bash scripts/gpu_train_asr.sh --minutes 7
 # INIT=path.nemo (an export of the CPU run, e.g. `--export x.nemo --average 5 --fp16`) is copied over
 # asr/weights/fc_small.nemo on the trimmed branch, so the GPU slice goes on from the newest weights.
@@ -31,7 +33,7 @@ LIMIT=$((64 * 1024 * 1024))
 size() {
   local tree carry
   tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-  carry=$(du -cb .whl runs/asr-text.txt.gz 2>/dev/null | tail -1 | cut -f1)
+  carry=$(du -cb .whl runs/asr-text.txt.gz runs/flite.tar.xz 2>/dev/null | tail -1 | cut -f1)
   echo "tracked files $((tree / 1000000)) MB + carried $((carry / 1000000)) MB = $(((tree + carry) / 1000000)) MB" \
     "of $((LIMIT / 1000000)) MB"
   [ $((tree + carry)) -le $LIMIT ] || { echo "too big: run '$0 trim' first" >&2; return 1; }
@@ -51,6 +53,40 @@ case "${1:-}" in
     "$PY" -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
     .venv/bin/python -m asr.training.speakers --write-text runs/asr-text.txt.gz
     size || true
+    ;;
+  flite)
+    # The binary links every voice library; slt (held out for testing) and time_awb (never used) are
+    # replaced by stubs that register kal, which keeps slt out of training and the archive ~9 MB. The
+    # stubbed binary crashes at exit after writing its WAV, so a wrapper accepts a written output.
+    command -v flite >/dev/null && command -v gcc >/dev/null || { echo "needs flite and gcc here" >&2; exit 1; }
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    mkdir -p "$tmp/flite/bin" "$tmp/flite/lib"
+    cp "$(command -v flite)" "$tmp/flite/bin/flite.real"
+    for lib in $(ldd "$(command -v flite)" | awk '/libflite|libasound/ {print $3}'); do
+      cp -L "$lib" "$tmp/flite/lib/$(basename "$lib")"
+    done
+    for voice in cmu_us_slt cmu_time_awb; do
+      printf 'void *register_cmu_us_kal(const char *d);\nvoid *register_%s(const char *d) { return register_cmu_us_kal(d); }\nvoid unregister_%s(void *v) {}\n' \
+        "$voice" "$voice" > "$tmp/$voice.c"
+      gcc -shared -fPIC -Wl,-soname,"libflite_$voice.so.1" -o "$tmp/flite/lib/libflite_$voice.so.1" "$tmp/$voice.c" \
+        -L"$tmp/flite/lib" -l:libflite_cmu_us_kal.so.1
+    done
+    cat > "$tmp/flite/bin/flite" <<'SH'
+#!/bin/sh
+# carried flite (scripts/gpu_carry_asr.sh flite): succeed when the output WAV was written
+d=$(dirname "$0"); out=""; prev=""
+for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done
+LD_LIBRARY_PATH="$d/../lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$d/flite.real" "$@" 2>/dev/null
+rc=$?
+[ $rc -ne 0 ] && [ -n "$out" ] && [ -s "$out" ] && exit 0
+exit $rc
+SH
+    chmod +x "$tmp/flite/bin/flite"
+    "$tmp/flite/bin/flite" -voice rms -t "carried flite" -o "$tmp/check.wav"
+    out="${FLITE_OUT:-runs/flite.tar.xz}"
+    mkdir -p "$(dirname "$out")" && tar -C "$tmp" -cJf "$out" flite
+    echo "wrote $out ($(du -h "$out" | cut -f1)); gpu_train_asr.sh unpacks runs/flite.tar.xz where flite is missing"
     ;;
   trim)
     [ -z "$(git status --porcelain --untracked-files=no)" ] || { echo "commit or stash your changes first" >&2; exit 1; }

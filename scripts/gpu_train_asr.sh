@@ -44,6 +44,11 @@ EVERY="${EVERY:-500}"
 if [ -z "${DUPLEX_ASR_TEXT:-}" ] && [ ! -d /usr/share/wordnet ] && [ -f runs/asr-text.txt.gz ]; then
   export DUPLEX_ASR_TEXT=runs/asr-text.txt.gz
 fi
+# Debian's flite where the image has none: the archive `scripts/gpu_carry_asr.sh flite` makes
+if ! command -v flite >/dev/null && [ -f runs/flite.tar.xz ]; then
+  mkdir -p "${TMPDIR:-/tmp}/carried" && tar -xJf runs/flite.tar.xz -C "${TMPDIR:-/tmp}/carried"
+  export PATH="${TMPDIR:-/tmp}/carried/flite/bin:$PATH"
+fi
 # the panel needs flite and Kokoro to synthesise its natural sets: score it on the GPU only when its
 # cache travels (DUPLEX_ASR_PANEL_CACHE), else score the export here with `duplex eval asr --panel`
 PANEL_N="${PANEL_N:-$([ -n "${DUPLEX_ASR_PANEL_CACHE:-}" ] && echo 60 || echo 0)}"

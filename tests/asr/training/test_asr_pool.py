@@ -3,6 +3,9 @@ in the loader), checkpoint averaging, the kill criterion and the dry run of the 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -172,3 +175,37 @@ def test_eval_asr_has_a_panel_mode_and_a_summary() -> None:
     assert args.panel and args.panel_sets == "natural-conversational"
     results = {"sets": {"s": {"streaming": {"480": {"wer": 0.3}}, "moonshine": {"wer": 0.2}}}}
     assert summary(results) == {"s": {"stream_480": 0.3, "moonshine": 0.2, "ratio_480": 1.5}}
+
+
+def test_gpu_carry_packs_flite_without_the_held_out_voice(tmp_path: Path) -> None:
+    """`scripts/gpu_carry_asr.sh flite` packs Debian's flite for a machine without it: the archive speaks
+    the training voices, and its `slt` (held out for testing) is not slt."""
+    import shutil
+    import subprocess
+    import tarfile
+
+    if shutil.which("flite") is None or shutil.which("gcc") is None:
+        pytest.skip("needs flite and gcc")
+    root = Path(__file__).resolve().parents[3]
+    out = tmp_path / "flite.tar.xz"
+    subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_carry_asr.sh"), "flite"],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "FLITE_OUT": str(out)},
+    )
+    with tarfile.open(out) as tar:
+        tar.extractall(tmp_path)
+    carried = tmp_path / "flite" / "bin" / "flite"
+
+    def speak(flite: str, voice: str) -> bytes:
+        wav = tmp_path / f"{voice}.wav"
+        subprocess.run(
+            [flite, "-voice", voice, "-t", "a held out voice", "-o", str(wav)], check=True, timeout=60
+        )
+        return wav.read_bytes()
+
+    env_flite = str(shutil.which("flite"))
+    assert speak(str(carried), "rms") == speak(env_flite, "rms")
+    assert speak(str(carried), "slt") != speak(env_flite, "slt")
+    assert out.stat().st_size < 12_000_000
