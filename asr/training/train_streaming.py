@@ -686,9 +686,8 @@ def train_pool(
     from asr.training.speakers import available_engines
 
     engines = _DRY_ENGINES or available_engines()
-    meta.setdefault("engines_by_restart", {})[str(step)] = list(
-        engines
-    )  # which voices each slice could speak
+    # which voices each slice could speak (a GPU slice lacks some)
+    meta.setdefault("engines_by_restart", {})[str(step)] = list(engines)
     print(
         f"recipe 2 from step {step} (t={step - start}), data batch {data_batches}, bf16 {use_bf16}, "
         f"workers {workers}, pool {args.pool} x {args.pool_epochs} epochs, device {device}, "

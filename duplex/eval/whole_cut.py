@@ -29,13 +29,13 @@ def whole_sentence_for(cut: dict[str, Any], examples: list[dict[str, Any]]) -> s
     sentence it was cut from, or a longer cut of it); None when the group has none."""
     head = _words(cut["text"])
     best: str | None = None
+    best_len = len(head)
     for ex in examples:
         if ex is cut or ex.get("group") != cut.get("group"):
             continue
         words = _words(ex["text"])
-        if len(words) > len(head) and words[: len(head)] == head:
-            if best is None or len(words) > len(_words(best)):
-                best = ex["text"]
+        if len(words) > best_len and words[: len(head)] == head:
+            best, best_len = ex["text"], len(words)
     return best
 
 
