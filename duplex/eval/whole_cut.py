@@ -47,7 +47,8 @@ def log_mel(audio: np.ndarray, sr: int = 16000) -> np.ndarray:
     n = 1 + (len(x) - WIN) // HOP
     frames = np.lib.stride_tricks.as_strided(x, (n, WIN), (x.strides[0] * HOP, x.strides[0]))
     spec = np.abs(np.fft.rfft(frames * np.hanning(WIN).astype(np.float32), n=512)) ** 2
-    return np.log(spec @ _mel_bank(sr) + 1e-8)
+    out: np.ndarray = np.log(spec @ _mel_bank(sr) + 1e-8)
+    return out
 
 
 def _mel_bank(sr: int) -> np.ndarray:
