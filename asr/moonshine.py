@@ -24,9 +24,12 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from asr.end_of_turn import WEIGHTS as END_OF_TURN_WEIGHTS
+from asr.end_of_turn import EndOfTurnModel
 from asr.ort_format import ort_to_onnx
 from asr.ort_options import session_options
 from asr.vad import ModelError, package_file
@@ -224,8 +227,9 @@ class MoonshineAsrStage(SequentialBatchMixin[AsrState, AsrChunk, AsrResult]):
     streaming = False  # transcribes the whole segment on request
     sample_rate = SAMPLE_RATE
 
-    def __init__(self, model: MoonshineModel) -> None:
+    def __init__(self, model: MoonshineModel, end_of_turn: EndOfTurnModel | None = None) -> None:
         self.model = model
+        self.end_of_turn = end_of_turn  # the acoustic end-of-turn cue, given with each transcript
 
     def init_state(self) -> AsrState:
         return AsrState()
@@ -248,7 +252,12 @@ class MoonshineAsrStage(SequentialBatchMixin[AsrState, AsrChunk, AsrResult]):
         ids = self.model.transcribe_ids(audio, state.draft)
         new_state = AsrState(chunks=(audio,) if audio.size else (), n_samples=audio.size, draft=tuple(ids))
         text = decode_tokens(self.model.tokens, ids)
-        return AsrResult(text, chunk.final, seconds, time.perf_counter() - t0), new_state
+        p_complete = (
+            self.end_of_turn.p_complete(audio) if self.end_of_turn is not None and audio.size else None
+        )
+        return AsrResult(
+            text, chunk.final, seconds, time.perf_counter() - t0, p_complete=p_complete
+        ), new_state
 
     def restart_state(self, state: AsrState) -> AsrState:
         """A fresh state for transcribing the segment again from its start (the final at a pause) that keeps
@@ -260,10 +269,16 @@ def load_asr_stage(cfg: ComponentConfig) -> MoonshineAsrStage:
     """Build the ASR stage from the models.yaml `asr` component (backend `moonshine`)."""
     if cfg.backend != "moonshine":
         raise ConfigError(f"component {cfg.name!r}: unknown ASR backend {cfg.backend!r} (known: moonshine)")
+    end_of_turn = None
+    if cfg.options.get("end_of_turn", True):  # the acoustic end-of-turn cue (asr.end_of_turn)
+        path = Path(str(cfg.options.get("end_of_turn_weights", END_OF_TURN_WEIGHTS)))
+        if not path.exists():
+            raise ConfigError(f"component {cfg.name!r}: no acoustic end-of-turn weights at {path}")
+        end_of_turn = EndOfTurnModel.load(path)
     package = str(cfg.weights.get("package", "moonshine_cpp"))
     model = MoonshineModel(
         instances=int(cfg.options.get("instances", 1)),
         threads=int(cfg.options.get("threads", 2)),
         package=package,
     )
-    return MoonshineAsrStage(model)
+    return MoonshineAsrStage(model, end_of_turn)

@@ -192,6 +192,9 @@ def load_turn_heads(
             take_threshold=float(th["take"]) if th.get("take") is not None else None,
             fast_take_threshold=float(th["fast_take"]) if th.get("fast_take") is not None else None,
             graded_take_threshold=float(th["graded_take"]) if th.get("graded_take") is not None else None,
+            acoustic_hold_threshold=(
+                float(th["acoustic_hold"]) if th.get("acoustic_hold") is not None else None
+            ),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelError(f"turn-taking heads: bad thresholds {th!r} in {meta_path}; {hint}") from exc

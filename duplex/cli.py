@@ -379,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
         "user talks off, then on (OUT/early-*/ and OUT/compare-early.txt)",
     )
     b.add_argument(
+        "--compare-acoustic-hold",
+        action="store_true",
+        help="the same conversation twice on one server: the acoustic end-of-turn hold off, then on "
+        "(OUT/hold-*/ and OUT/compare-acoustic-hold.txt)",
+    )
+    b.add_argument(
         "--compare-speech-end",
         action="store_true",
         help="the same conversation three times on one server: pauses where the VAD's window says, dated "

@@ -50,6 +50,10 @@ class SessionOptions:
     #: silence that ends a turn at a backchannel point (a finished sentence the user may follow
     #: with another): the service says "mm-hmm" first if allowed, then answers if they do not go on
     backchannel_turn_silence_ms: int = 1000
+    #: silence that ends a turn whose words the turn head calls complete but whose voice did not sound
+    #: finished (the ASR's acoustic end-of-turn cue below the heads' `acoustic_hold` threshold: often a
+    #: mid-sentence pause the recogniser closed with a full stop); 0 turns the cue off
+    acoustic_hold_silence_ms: int = 1500
     #: user speech over the service's answer longer than this interrupts it whatever was said;
     #: shorter speech interrupts only if the overlap head calls it an interruption, not a backchannel
     max_backchannel_ms: int = 900
@@ -93,6 +97,7 @@ class SessionOptions:
         "partial_interval_ms",
         "incomplete_turn_silence_ms",
         "backchannel_turn_silence_ms",
+        "acoustic_hold_silence_ms",
         "max_backchannel_ms",
         "backchannels",
         "relay",

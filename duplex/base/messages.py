@@ -58,6 +58,9 @@ class AsrResult:
     trailing_silence_ms: float = 0.0
     chunks: int = 0
     no_words: bool = False
+    #: how the voice stopped, where the stage has an acoustic end-of-turn cue (`asr.end_of_turn`):
+    #: P(the turn is complete) from the transcribed audio's prosody; None without one
+    p_complete: float | None = None
 
 
 # -- dialogue ---------------------------------------------------------------------------------------

@@ -36,6 +36,9 @@ class TurnPolicy:
     #: between the short and the full one, growing as P(take) falls; calibrated by `duplex eval eot
     #: --write`; None: two steps (short at `fast_take_threshold` and above, full below)
     graded_take_threshold: float | None = None
+    #: acoustic end of turn: a SPEAK or BACKCHANNEL whose voice did not sound finished (the ASR's acoustic P(complete)
+    #: below this) waits `acoustic_hold_silence_ms`; calibrated by `duplex eval eot --write`; None: off
+    acoustic_hold_threshold: float | None = None
 
     @staticmethod
     def p_take(probs: Sequence[float] | Any) -> float:
@@ -57,6 +60,13 @@ class TurnPolicy:
             return 1.0
         p = self.p_take(probs)
         return 1.0 if p < lo else (hi - p) / (hi - lo)
+
+    def acoustic_hold(self, probs: Sequence[float] | Any, p_complete: float | None) -> bool:
+        """The words end the turn (SPEAK, or BACKCHANNEL: answer if they do not go on) but the voice did
+        not sound finished: wait longer."""
+        if self.acoustic_hold_threshold is None or p_complete is None:
+            return False
+        return self.decide_turn(probs) != LISTEN and p_complete < self.acoustic_hold_threshold
 
     def decide_turn(self, probs: Sequence[float] | Any) -> int:
         """LISTEN, BACKCHANNEL or SPEAK for one turn-head output (p_listen, p_backchannel, p_speak)."""

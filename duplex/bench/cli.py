@@ -135,6 +135,10 @@ def main(args: argparse.Namespace) -> int:
             return _compare_sessions(
                 url, args, synth, options, seed, voice, cases, "compare-early", EARLY_VARIANTS
             )
+        if getattr(args, "compare_acoustic_hold", False):
+            return _compare_sessions(
+                url, args, synth, options, seed, voice, cases, "compare-acoustic-hold", ACOUSTIC_HOLD_VARIANTS
+            )
         if getattr(args, "compare_speech_end", False):
             return _compare_sessions(
                 url, args, synth, options, seed, voice, cases, "compare-speech-end", SPEECH_END_VARIANTS
@@ -444,6 +448,11 @@ EARLY_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("early-off", {"early_answer": False}),
     ("early-on", {"early_answer": True}),
 )
+#: `--compare-acoustic-hold`: the acoustic end-of-turn cue's hold off, then on (asr.end_of_turn)
+ACOUSTIC_HOLD_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("hold-off", {"acoustic_hold_silence_ms": 0}),
+    ("hold-on", {"acoustic_hold_silence_ms": 1500}),
+)
 #: `--compare-speech-end`: the pause where the VAD's window says, dated back to the voice's end, and that
 #: plus the final transcript started at the voice's end (duplex.core.endpointing.speech_end)
 SPEECH_END_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -464,7 +473,7 @@ def _compare_sessions(
     title: str,
     variants: tuple[tuple[str, dict[str, Any]], ...],
 ) -> int:
-    """--compare-relay / --compare-early / --compare-speech-end: the same conversation once per variant of the session options, each
+    """--compare-relay / --compare-early / --compare-acoustic-hold / --compare-speech-end: the same conversation once per variant of the session options, each
     in its own session on the same server; one results folder per variant (OUT/<variant>) and a table of what
     each buys: onset, facts right, wrong facts from a draft, pauses taken, memory, drafts kept, early answers."""
     rows: list[tuple[str, dict[str, Any]]] = []

@@ -420,7 +420,7 @@ class SessionCore:
             self._drop_speculation()
             if self.segment is not None:
                 self.segment.decision, self.segment.confident_end = None, False
-                self.segment.end_wait_share = 1.0
+                self.segment.end_wait_share, self.segment.acoustic_hold = 1.0, False
                 if self.segment.overlap_class == "backchannel":
                     self.segment.overlap_class = None  # they went on: judge the whole thing again
         elif edge.kind == "end":
@@ -562,6 +562,7 @@ class SessionCore:
             # any transcript that covers the audio up to the pause can serve as the final one,
             # so a partial that returns after the user stopped is not transcribed twice
             seg.spec_final, seg.spec_at, seg.spec_ready = text, covered, self.clock()
+            seg.spec_p_complete = out.p_complete if out is not None else None
         if not final:
             seg.last_partial_cost = out.compute_seconds if out is not None else 0.0
             self._decoder_end_of_utterance(seg, out)
@@ -1076,19 +1077,23 @@ class SessionCore:
         """The turn head's verdict at a pause: speak, backchannel or listen on."""
         p_listen, p_bc, p_speak = probs
         assert self.stages.policy is not None  # listen jobs run only with turn-taking
+        seg.acoustic_hold = False
         if is_bare_cue(text):
             seg.decision, seg.confident_end, seg.end_wait_share = "listen", False, 1.0
         else:
-            seg.decision = LABELS[self.stages.policy.decide_turn(probs)]
-            seg.confident_end = self.stages.policy.confident_end(probs)
-            seg.end_wait_share = self.stages.policy.end_wait_share(probs)
-        self._emit(
-            TurnDecision,
-            turn_id=seg.turn_id,
-            decision=seg.decision,
-            text=text,
-            probs={"listen": round(p_listen, 3), "backchannel": round(p_bc, 3), "speak": round(p_speak, 3)},
-        )
+            policy = self.stages.policy
+            seg.decision = LABELS[policy.decide_turn(probs)]
+            seg.confident_end = policy.confident_end(probs)
+            seg.end_wait_share = policy.end_wait_share(probs)
+            # the words sound finished, the voice does not: a recogniser often closes a sentence
+            # cut off mid-way with a full stop ("what is the capital of" -> "What is the capital?")
+            p_voice = seg.spec_p_complete if text == (seg.spec_final or "") else None
+            if self.options.acoustic_hold_silence_ms > 0 and policy.acoustic_hold(probs, p_voice):
+                seg.acoustic_hold, seg.confident_end = True, False
+        shown = {"listen": round(p_listen, 3), "backchannel": round(p_bc, 3), "speak": round(p_speak, 3)}
+        if seg.spec_p_complete is not None:
+            shown["complete_voice"] = round(seg.spec_p_complete, 3)
+        self._emit(TurnDecision, turn_id=seg.turn_id, decision=seg.decision, text=text, probs=shown)
         if seg.decision == "speak":
             if self.response is None and seg.spec_final and not self._speaking():
                 self._start_response(seg.turn_id, seg.spec_final, committed=False)
@@ -1178,6 +1183,11 @@ class SessionCore:
         of turn): short when the head is confident, the usual hangover when it is less so, longer at
         a backchannel point (they may go on). `duplex eval eot` draws the trade-off."""
         o = self.options
+        if seg.acoustic_hold:  # the words sound finished, the voice did not
+            hangover = (
+                o.backchannel_turn_silence_ms if seg.decision == "backchannel" else o.end_of_turn_silence_ms
+            )
+            return max(o.acoustic_hold_silence_ms, hangover)
         if seg.decision == "backchannel":
             return o.backchannel_turn_silence_ms
         if 0 < o.fast_turn_silence_ms < o.end_of_turn_silence_ms:

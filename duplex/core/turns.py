@@ -46,6 +46,7 @@ class Segment:
     spec_final: str | None = None  # latest full transcript of the segment
     spec_at: int = -1  # total_samples that transcript covers
     spec_ready: float = 0.0  # when it arrived
+    spec_p_complete: float | None = None  # the ASR's acoustic P(complete) for that transcript's audio
     pause_at: int = 0  # total_samples at the current pause (speech end so far)
     early_final_at: int | None = None  # stream sample of the voice's end an early final was started for
     ended: bool = False
@@ -57,6 +58,8 @@ class Segment:
     confident_end: bool = False  # ... and the turn head is sure it is over (predictive end of turn)
     #: where between the short (0.0) and the full (1.0) hangover this turn ends (graded end of turn)
     end_wait_share: float = 1.0
+    #: the words sound finished but the voice does not (acoustic end-of-turn cue): wait longer
+    acoustic_hold: bool = False
     overlap: bool = False  # started while the service was speaking
     overlap_class: str | None = None  # "backchannel", "interruption" or "noise" (no word in it), once known
     slice_probs: tuple[str, tuple[float, float, float]] | None = None  # the turn head on the last slice

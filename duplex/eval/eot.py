@@ -22,13 +22,18 @@ The operating point is the lowest threshold (most turns fast) whose takeover at 
 within `--max-hesitation-takeover` on text (n ≈ 490 cuts) and `--max-hesitation-takeover-speech`
 on speech (n = 60 cuts by default: one cut is 1.7 points); `--write` stores it in the turn heads'
 metadata (`thresholds.fast_take`), where `load_turn_heads` reads it.
+
+With a recogniser that gives the acoustic end-of-turn cue (`asr.end_of_turn`; each spoken row keeps it
+as `p_voice`), the speech rows are swept once more at the chosen thresholds: a turn judged over whose
+voice's P(complete) is below `acoustic_hold` waits `Waits.acoustic_hold` (1.5 s). Chosen: the threshold
+with the least takeover at 1-1.5 s pauses among those that hold at most `--max-held-complete` of the
+complete spoken turns longer (`thresholds.acoustic_hold` with `--write`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from dialogue.training.turn_data import heldout_turn_examples, speech_examples
 from duplex.base.paths import DATA_ROOT
 from duplex.base.turn_policy import BACKCHANNEL, LISTEN, SPEAK, TurnPolicy
 
@@ -54,6 +60,7 @@ class Waits:
     speak: int = 500
     backchannel: int = 1000
     listen: int = 2000
+    acoustic_hold: int = 1500
 
 
 def wait_ms(
@@ -62,14 +69,20 @@ def wait_ms(
     waits: Waits,
     fast_take: float | None,
     graded_take: float | None = None,
+    p_voice: float | None = None,
+    acoustic_hold: float | None = None,
 ) -> int:
     """The silence the session waits before taking the turn, for one turn-head output (as
-    `SessionCore._turn_wait_ms` with `TurnPolicy.end_wait_share`)."""
+    `SessionCore._turn_wait_ms` with `TurnPolicy.end_wait_share`); `p_voice` is the ASR's acoustic
+    P(complete), and a turn judged over whose voice is below `acoustic_hold` waits `waits.acoustic_hold`."""
     d = policy.decide_turn(probs)
     if d == LISTEN:
         return waits.listen
+    held = acoustic_hold is not None and p_voice is not None and p_voice < acoustic_hold
     if d == BACKCHANNEL:
-        return waits.backchannel
+        return max(waits.backchannel, waits.acoustic_hold) if held else waits.backchannel
+    if held:
+        return max(waits.speak, waits.acoustic_hold)
     assert d == SPEAK
     p = policy.p_take(probs)
     if fast_take is not None and p >= fast_take:
@@ -167,6 +180,60 @@ def choose(curves: dict[str, list[dict[str, Any]]], limits: dict[str, float]) ->
     return None
 
 
+ACOUSTIC_GRID = tuple(round(x, 3) for x in np.arange(0.05, 0.6001, 0.05))
+
+
+def acoustic_sweep(
+    rows: list[dict[str, Any]],
+    policy: TurnPolicy,
+    waits: Waits,
+    fast_take: float | None,
+    graded_take: float | None = None,
+    grid: Sequence[float] = ACOUSTIC_GRID,
+) -> list[dict[str, Any]]:
+    """With the turn head's thresholds fixed, one point per acoustic hold threshold on the ASR's P(complete)
+    (None first: no hold). Rows without a voice cue are never held."""
+    complete = [r for r in rows if r["label"] == SPEAK]
+    cut = [r for r in rows if r["label"] == LISTEN]
+
+    def waits_of(subset: list[dict[str, Any]], thr: float | None) -> np.ndarray:
+        return np.array(
+            [
+                wait_ms(policy, r["probs"], waits, fast_take, graded_take, r.get("p_voice"), thr)
+                for r in subset
+            ],
+            dtype=float,
+        )
+
+    base = waits_of(complete, None)
+    out = []
+    for thr in (None, *grid):
+        wc, wx = waits_of(complete, thr), waits_of(cut, thr)
+        out.append(
+            {
+                "acoustic_hold": thr,
+                "wait_p50_ms": float(np.percentile(wc, 50)) if len(wc) else float("nan"),
+                "wait_p90_ms": float(np.percentile(wc, 90)) if len(wc) else float("nan"),
+                "wait_mean_ms": float(wc.mean()) if len(wc) else float("nan"),
+                "complete_held": float((wc > base).mean()) if len(wc) else float("nan"),
+                "hesitation_takeover": _taken(wx, HESITATION_S),
+                "pause_takeover": _taken(wx, PAUSE_S),
+            }
+        )
+    return out
+
+
+def choose_acoustic(curve: list[dict[str, Any]], max_held: float) -> float | None:
+    """The acoustic hold threshold with the least takeover at 1-1.5 s pauses among those that hold at most
+    `max_held` of the complete turns longer than the turn head alone would (the lower threshold on a tie);
+    None if no threshold lowers the takeover."""
+    ok = [p for p in curve if p["acoustic_hold"] is not None and p["complete_held"] <= max_held]
+    if not ok:
+        return None
+    best = min(ok, key=lambda p: (round(p["pause_takeover"], 6), p["acoustic_hold"]))
+    return float(best["acoustic_hold"]) if best["pause_takeover"] < curve[0]["pause_takeover"] else None
+
+
 # -- collecting the turn head's outputs ----------------------------------------------------------
 
 
@@ -203,8 +270,8 @@ def speech_rows(
     from tqdm.auto import tqdm
 
     from asr.training.speakers import Synth, heldout_natural_speakers
+    from asr.training.whole_cut import render_turn
     from duplex.base.messages import AsrChunk, ListenStep
-    from duplex.eval.whole_cut import cut_whole, whole_sentence_for
 
     if cut_audio not in ("alone", "whole"):
         raise ValueError(f"cut_audio must be 'alone' or 'whole', not {cut_audio!r}")
@@ -214,16 +281,8 @@ def speech_rows(
     rows = []
     for i, ex in enumerate(tqdm(chosen, desc="turn head (speech)", disable=not progress)):
         speaker = speakers[i % len(speakers)]
-        whole = whole_sentence_for(ex, examples) if cut_audio == "whole" and ex["kind"] == "cut" else None
         try:
-            if whole is None:
-                audio = synth.render(ex["text"], speaker, nprng).audio.astype(np.float32)
-            else:  # the same random draws (rate, F0) for the whole sentence and the cut alone
-                draw = int(nprng.integers(2**62))
-                full = synth.render(whole, speaker, np.random.default_rng(draw)).audio
-                alone = synth.render(ex["text"], speaker, np.random.default_rng(draw)).audio
-                # then the pause's first 200 ms: the live final is asked once the VAD hears the pause
-                audio = np.concatenate([cut_whole(full, alone), np.zeros(int(0.2 * 16000), np.float32)])
+            audio, whole = render_turn(synth, ex, examples, speaker, nprng, cut_audio)
         except Exception as exc:  # an engine that is not installed: say which, once
             raise SystemExit(
                 f"eval eot: cannot speak with {speaker.name} ({exc}); try `make asr-voices`"
@@ -235,21 +294,13 @@ def speech_rows(
             ListenStep(list(ex.get("history") or []), heard, prefill_slow=False, preclose=False),
         )
         row = _row(ex, heard, speaker.name, out.probs)
+        p_voice = getattr(res, "p_complete", None)  # the ASR's acoustic end-of-turn cue, if it has one
+        if p_voice is not None:
+            row["p_voice"] = round(float(p_voice), 5)
         if whole is not None:
             row["cut_from"] = whole
         rows.append(row)
     return rows
-
-
-def speech_examples(examples: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
-    """The held-out turns `speech_rows` speaks, in its order: n // 2 cut, then n // 2 complete."""
-    rng = random.Random(seed)
-    chosen: list[dict[str, Any]] = []
-    for lab in (LISTEN, SPEAK):
-        pool = [e for e in examples if int(e["label"]) == lab]
-        rng.shuffle(pool)
-        chosen += pool[: n // 2]
-    return chosen
 
 
 def rescored_speech_rows(
@@ -270,7 +321,9 @@ def rescored_speech_rows(
             stage.init_state(),
             ListenStep(list(ex.get("history") or []), r["heard"], prefill_slow=False, preclose=False),
         )
-        rows.append(_row(ex, r["heard"], r["voice"], out.probs))
+        row = _row(ex, r["heard"], r["voice"], out.probs)
+        row.update({k: r[k] for k in ("p_voice", "cut_from") if k in r})
+        rows.append(row)
     return rows
 
 
@@ -323,6 +376,26 @@ def report(results: dict[str, Any]) -> str:
                 )
     if graded:
         lines.append(f"  chosen graded_take threshold: {results.get('chosen_graded')} (same limits)")
+    acoustic = results.get("acoustic")
+    if acoustic:
+        hold = results.get("waits_ms", {}).get("acoustic_hold", Waits().acoustic_hold)
+        lines.append(
+            f"  acoustic hold (speech; a turn judged over whose voice sounds unfinished waits {hold} ms):"
+        )
+        for p in acoustic:
+            thr = p["acoustic_hold"]
+            label = "off" if thr is None else f"{thr:.2f}"
+            mark = "  <- chosen" if thr is not None and thr == results.get("chosen_acoustic") else ""
+            lines.append(
+                f"    {label:>6}: wait P50 {p['wait_p50_ms']:4.0f} ms P90 {p['wait_p90_ms']:5.0f} ms mean "
+                f"{p['wait_mean_ms']:4.0f} ms, complete held {100 * p['complete_held']:4.1f} %, takeover at "
+                f"hesitations {100 * p['hesitation_takeover']:4.1f} %, at 1-1.5 s pauses "
+                f"{100 * p['pause_takeover']:4.1f} %{mark}"
+            )
+        lines.append(
+            f"  chosen acoustic_hold threshold: {results.get('chosen_acoustic')} (least pause takeover holding "
+            f"<= {100 * results.get('max_held_complete', 0):.0f} % of complete turns)"
+        )
     return "\n".join(lines)
 
 
@@ -332,7 +405,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 3, figsize=(16, 4.2))
+    acoustic = results.get("acoustic")
+    fig, ax = plt.subplots(1, 4 if acoustic else 3, figsize=(21 if acoustic else 16, 4.2))
     for name, curve in results["curves"].items():
         pts = [p for p in curve if p["fast_take"] is not None]
         ax[0].plot(
@@ -359,6 +433,17 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax[2].set_xlabel("mean wait on complete turns (ms)")
     ax[2].set_ylabel("takeover at 0.3-0.5 s hesitations (%)")
     ax[2].set_title("graded wait below the chosen threshold (x: two steps)")
+    if acoustic:
+        pts = [p for p in acoustic if p["acoustic_hold"] is not None]
+        ax[3].plot([100 * p["complete_held"] for p in pts], [100 * p["pause_takeover"] for p in pts], ".-")
+        for p in pts:
+            ax[3].annotate(
+                f"{p['acoustic_hold']:.2f}", (100 * p["complete_held"], 100 * p["pause_takeover"]), fontsize=7
+            )
+        ax[3].plot([0], [100 * acoustic[0]["pause_takeover"]], "x", color="k")
+        ax[3].set_xlabel("complete spoken turns held longer (%)")
+        ax[3].set_ylabel("takeover at 1-1.5 s pauses (%)")
+        ax[3].set_title("acoustic hold by threshold (x: off)")
     for a in ax:
         a.grid(alpha=0.3)
         if a.get_legend_handles_labels()[0]:
@@ -383,6 +468,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--max-hesitation-takeover", type=float, default=0.01, help="on held-out text")
     ap.add_argument("--max-hesitation-takeover-speech", type=float, default=0.05, help="on held-out speech")
+    ap.add_argument(
+        "--max-held-complete",
+        type=float,
+        default=0.08,
+        help="the acoustic hold may keep at most this share of complete spoken turns waiting longer",
+    )
     ap.add_argument("--out", default="eval-out", help="folder for eot.json and eot.png")
     ap.add_argument(
         "--rows", default=None, metavar="JSON", help="reuse the turn-head outputs of an earlier eot.json"
@@ -395,6 +486,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--write", action="store_true", help="store the chosen threshold in the turn heads' metadata"
+    )
+    ap.add_argument(
+        "--write-acoustic",
+        action="store_true",
+        help="sweep the acoustic hold at the heads' shipped thresholds and store only its threshold",
     )
     ap.add_argument("--no-progress", action="store_true")
 
@@ -427,6 +523,17 @@ def run(args: argparse.Namespace) -> int:
             subset = [r for r in rows if (r["voice"] == "text") == (name == "text")]
             results["graded"][name] = graded_sweep(subset, policy, Waits(), results["chosen"])
         results["chosen_graded"] = choose_graded(results["graded"], results["limits"])
+    speech = [r for r in rows if r["voice"] != "text"]
+    results["acoustic"], results["chosen_acoustic"] = None, None
+    if any(r.get("p_voice") is not None for r in speech):
+        # at the thresholds the heads ship with (--write-acoustic) or at the ones chosen here
+        shipped = bool(getattr(args, "write_acoustic", False))
+        fast = policy.fast_take_threshold if shipped else results["chosen"]
+        graded = policy.graded_take_threshold if shipped else results["chosen_graded"]
+        results["acoustic_at"] = {"fast_take": fast, "graded_take": graded}
+        results["acoustic"] = acoustic_sweep(speech, policy, Waits(), fast, graded)
+        results["max_held_complete"] = args.max_held_complete
+        results["chosen_acoustic"] = choose_acoustic(results["acoustic"], args.max_held_complete)
     results["rows"] = rows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -434,6 +541,17 @@ def run(args: argparse.Namespace) -> int:
     plot(results, out / "eot.png")
     print(report(results))
     print(f"wrote {out / 'eot.json'} and {out / 'eot.png'}")
+    if getattr(args, "write_acoustic", False):
+        if results["acoustic"] is None:
+            raise SystemExit(
+                "eval eot --write-acoustic: no spoken row has the ASR's voice cue; nothing written"
+            )
+        path = heads_metadata_path()
+        meta = json.loads(path.read_text())
+        meta["thresholds"]["acoustic_hold"] = results["chosen_acoustic"]
+        meta.setdefault("calibration", {})["acoustic_hold"] = _acoustic_calibration(results)
+        path.write_text(json.dumps(meta, indent=1) + "\n")
+        print(f"wrote acoustic_hold {results['chosen_acoustic']} into {path}")
     if args.write:
         if results["chosen"] is None:
             raise SystemExit("eval eot: no threshold meets the limits; nothing written")
@@ -441,6 +559,8 @@ def run(args: argparse.Namespace) -> int:
         meta = json.loads(path.read_text())
         meta["thresholds"]["fast_take"] = results["chosen"]
         meta["thresholds"]["graded_take"] = results["chosen_graded"]
+        if results["acoustic"] is not None:
+            meta["thresholds"]["acoustic_hold"] = results["chosen_acoustic"]
         meta.setdefault("calibration", {})["fast_take"] = {
             "command": "duplex eval eot --write",
             "date": results["date"],
@@ -454,9 +574,27 @@ def run(args: argparse.Namespace) -> int:
                 for name, c in results["graded"].items()
             },
         }
+        if results["acoustic"] is not None:
+            meta["calibration"]["acoustic_hold"] = _acoustic_calibration(results)
         path.write_text(json.dumps(meta, indent=1) + "\n")
-        print(f"wrote fast_take {results['chosen']}, graded_take {results['chosen_graded']} into {path}")
+        print(
+            f"wrote fast_take {results['chosen']}, graded_take {results['chosen_graded']}, "
+            f"acoustic_hold {results['chosen_acoustic']} into {path}"
+        )
     return 0
+
+
+def _acoustic_calibration(results: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "command": "duplex eval eot --speech N --cut-audio whole --write[-acoustic]",
+        "date": results["date"],
+        "cut_audio": results["cut_audio"],
+        "at_turn_thresholds": results.get("acoustic_at"),
+        "max_held_complete": results["max_held_complete"],
+        "hold_ms": Waits().acoustic_hold,
+        "off": results["acoustic"][0],
+        "at_chosen": next(p for p in results["acoustic"] if p["acoustic_hold"] == results["chosen_acoustic"]),
+    }
 
 
 def _policy_of(stage: Any) -> TurnPolicy:
@@ -465,7 +603,15 @@ def _policy_of(stage: Any) -> TurnPolicy:
     from dialogue.turn_taking import heads_metadata_path
 
     th = json.loads(heads_metadata_path().read_text())["thresholds"]
-    return TurnPolicy(float(th["speak"]), float(th["backchannel"]), float(th["interrupt"]), th.get("take"))
+    return TurnPolicy(
+        float(th["speak"]),
+        float(th["backchannel"]),
+        float(th["interrupt"]),
+        th.get("take"),
+        fast_take_threshold=th.get("fast_take"),
+        graded_take_threshold=th.get("graded_take"),
+        acoustic_hold_threshold=th.get("acoustic_hold"),
+    )
 
 
 def _collect(args: argparse.Namespace, progress: bool) -> tuple[list[dict[str, Any]], TurnPolicy]:
@@ -481,12 +627,7 @@ def _collect(args: argparse.Namespace, progress: bool) -> tuple[list[dict[str, A
     if drafter is None:
         raise SystemExit(f"eval eot: profile {profile.name!r} has no drafter (no turn head to calibrate)")
     stage = load_dialogue_stage(profile.component("llm"), drafter, progress=progress)
-    lines = (DATA / "turn_eval.jsonl").read_text().splitlines()
-    examples = [
-        e
-        for e in (json.loads(line) for line in lines if line.strip())
-        if e.get("head", "turn") == "turn" and int(e["label"]) in (LISTEN, SPEAK)
-    ]
+    examples = heldout_turn_examples(DATA / "turn_eval.jsonl")
     rows = text_rows(stage, examples, progress)
     if args.rescore:
         old = [r for r in json.loads(Path(args.rescore).read_text())["rows"] if r["voice"] != "text"]

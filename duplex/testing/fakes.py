@@ -133,7 +133,14 @@ class ToneAsrState:
 
 
 class ToneAsr(SequentialBatchMixin[ToneAsrState, AsrChunk, AsrResult | None]):
+    """Decodes `tone_speech`; `voice_fn` scripts the acoustic end-of-turn cue from the words heard
+    (P(complete) as `AsrResult.p_complete`; None: no cue, as without one)."""
+
     kind = "asr"
+    voice_fn: Callable[[str], float | None] | None = None  # (a class default: subclasses need no super())
+
+    def __init__(self, voice_fn: Callable[[str], float | None] | None = None) -> None:
+        self.voice_fn = voice_fn
 
     def init_state(self) -> ToneAsrState:
         return ToneAsrState()
@@ -144,7 +151,8 @@ class ToneAsr(SequentialBatchMixin[ToneAsrState, AsrChunk, AsrResult | None]):
         if not chunk.transcribe:
             return None, new
         text = " ".join(decode_tones(audio, SR))
-        return AsrResult(text, chunk.final, len(audio) / SR), new
+        p_complete = self.voice_fn(text) if self.voice_fn is not None else None
+        return AsrResult(text, chunk.final, len(audio) / SR, p_complete=p_complete), new
 
 
 class ToneStreamingAsr(ToneAsr):

@@ -216,6 +216,49 @@ def test_clean_text_and_config_errors() -> None:
         load_asr_stage(ComponentConfig(name="asr", backend="whisper"))
 
 
+def test_each_transcript_carries_the_voice_cue(stage: MoonshineAsrStage, question: np.ndarray) -> None:
+    res, _ = stage.step(stage.init_state(), AsrChunk(question, final=True))
+    assert res.p_complete is not None and 0.0 < res.p_complete < 1.0
+    res, _ = stage.step(stage.init_state(), AsrChunk(question[:4000], transcribe=False))
+    assert res.p_complete is None  # no transcript, no cue
+
+
+BROKEN_OFF = (
+    ("What is the capital of", "What is the capital of France?"),
+    ("Could you tell me how many", "Could you tell me how many legs a spider has?"),
+    ("I would like to book a table for", "I would like to book a table for two people tonight."),
+    ("Which planet is the", "Which planet is the largest in our solar system?"),
+)
+
+
+def test_the_voice_cue_hears_a_sentence_broken_off(stage: MoonshineAsrStage) -> None:
+    """hibari speaks each whole sentence, and the same sentence cut where the first words end (the
+    audio up to there, as a speaker who stops mid-sentence sounds): the cue rates the whole ones more
+    complete."""
+    from asr.training.whole_cut import cut_whole
+
+    whole_p, cut_p = [], []
+    for cut, whole in BROKEN_OFF:
+        audio = synthesize(whole)
+        broken = cut_whole(audio, synthesize(cut))
+        for x, out in ((audio, whole_p), (broken, cut_p)):
+            res, _ = stage.step(stage.init_state(), AsrChunk(np.concatenate([x, silence(0.2)]), final=True))
+            out.append(res.p_complete)
+    assert sum(w > c for w, c in zip(whole_p, cut_p, strict=True)) >= 3, (whole_p, cut_p)
+    assert np.mean(whole_p) - np.mean(cut_p) > 0.2, (whole_p, cut_p)
+
+
+def test_the_voice_cue_can_be_switched_off_and_needs_its_weights(tmp_path: Path) -> None:
+    off = load_asr_stage(ComponentConfig(name="asr", backend="moonshine", options={"end_of_turn": False}))
+    assert off.end_of_turn is None
+    with pytest.raises(ConfigError, match="end-of-turn weights"):
+        load_asr_stage(
+            ComponentConfig(
+                name="asr", backend="moonshine", options={"end_of_turn_weights": str(tmp_path / "none.json")}
+            )
+        )
+
+
 def test_time_per_second_of_audio(stage: MoonshineAsrStage) -> None:
     results = []
     for text in (

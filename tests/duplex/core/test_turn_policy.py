@@ -429,3 +429,79 @@ def test_an_early_answer_is_dropped_when_they_go_on():
     assert [m["content"] for m in core.history if m["role"] == "user"] == [
         "what is the capital of france and two plus two france"
     ]
+
+
+def _pause_case(policy: TurnPolicy, **options):
+    """The recogniser's worst case: "what is the capital of" heard as a finished question (the turn head
+    sure it is over), a 1.3 s pause, then "france". The scripted voice cue: the voice stopped mid-way."""
+    from duplex.testing.fakes import ToneAsr
+
+    def head(text: str) -> tuple[float, float, float]:
+        return (0.02, 0.03, 0.95)  # every transcript sounds finished to the words' head
+
+    def voice(text: str) -> float:
+        return 0.1 if text.split()[-1] == "of" else 0.9
+
+    profile = load_profile("cpu")
+    stages = dataclasses.replace(
+        fake_turn_stages(scripted_answer, turn_fn=head, asr=ToneAsr(voice_fn=voice)), policy=policy
+    )
+    clock = FakeClock()
+    core = SessionCore("s1", profile, stages, clock, options=dataclasses.replace(profile.session, **options))
+    audio = np.concatenate(
+        [silence(0.5), tone_speech("what is the capital of"), silence(1.3), tone_speech("france"), silence(3)]
+    )
+    return replay(core, clock, audio, COSTS)
+
+
+def test_acoustic_hold_waits_through_a_pause_the_words_would_end():
+    policy = TurnPolicy(
+        0.5, 0.7, 0.5, take_threshold=0.6, fast_take_threshold=0.9, acoustic_hold_threshold=0.3
+    )
+    held = _pause_case(policy)
+    # the 1.3 s pause is waited through: one turn, the whole question, answered once
+    assert [e.text for e in held.events("transcript.final")] == ["what is the capital of france"]
+    assert len(held.events("response.started")) == 1
+    first = held.events("turn.decision")[0]
+    assert first.decision == "speak" and first.probs["complete_voice"] == 0.1
+    # without the cue's threshold (uncalibrated heads) or with the hold off for the session, it is taken
+    for taken in (
+        _pause_case(dataclasses.replace(policy, acoustic_hold_threshold=None)),
+        _pause_case(policy, acoustic_hold_silence_ms=0),
+    ):
+        assert [e.text for e in taken.events("transcript.final")][0] == "what is the capital of"
+
+
+def test_acoustic_hold_leaves_a_finished_voice_on_the_short_hangover():
+    from duplex.testing.fakes import ToneAsr
+
+    def head(text: str) -> tuple[float, float, float]:
+        return (0.02, 0.03, 0.95) if text.split()[-1] == "france" else (0.9, 0.05, 0.05)
+
+    policy = TurnPolicy(
+        0.5, 0.7, 0.5, take_threshold=0.6, fast_take_threshold=0.9, acoustic_hold_threshold=0.3
+    )
+    waits = []
+    for p in (policy, dataclasses.replace(policy, acoustic_hold_threshold=None)):
+        profile = load_profile("cpu")
+        stages = dataclasses.replace(
+            fake_turn_stages(scripted_answer, turn_fn=head, asr=ToneAsr(voice_fn=lambda t: 0.8)), policy=p
+        )
+        clock = FakeClock()
+        core = SessionCore("s1", profile, stages, clock, options=profile.session)
+        speech = tone_speech("what is the capital of france")
+        r = replay(core, clock, np.concatenate([silence(0.5), speech, silence(3.0)]), FAST_COSTS)
+        waits.append(r.audio_frames()[0].t - (0.5 + len(speech) / SR))
+    assert abs(waits[0] - waits[1]) < 0.05
+
+
+def test_acoustic_hold_rule():
+    policy = TurnPolicy(
+        0.5, 0.7, 0.5, take_threshold=0.6, fast_take_threshold=0.9, acoustic_hold_threshold=0.3
+    )
+    assert policy.acoustic_hold((0.05, 0.05, 0.90), 0.2)  # the words end it, the voice does not
+    assert not policy.acoustic_hold((0.05, 0.05, 0.90), 0.5)  # both say it is over
+    assert not policy.acoustic_hold((0.05, 0.05, 0.90), None)  # no cue from this recogniser
+    assert policy.acoustic_hold((0.05, 0.60, 0.35), 0.2)  # a backchannel point too (it answers after)
+    assert not policy.acoustic_hold((0.80, 0.10, 0.10), 0.1)  # listen waits anyway
+    assert not dataclasses.replace(policy, acoustic_hold_threshold=None).acoustic_hold((0.05, 0.05, 0.9), 0.1)

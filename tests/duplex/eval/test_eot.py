@@ -76,6 +76,42 @@ def test_graded_sweep_trades_the_p90_wait_for_takeover():
     assert choose_graded({"text": curve}, {"text": 0.125}) is None
 
 
+def test_acoustic_hold_follows_the_session_rule():
+    w = Waits()
+    sure = (0.02, 0.03, 0.95)
+    assert wait_ms(POLICY, sure, w, 0.9, None, 0.2, 0.3) == w.acoustic_hold  # the voice did not finish
+    assert wait_ms(POLICY, sure, w, 0.9, None, 0.5, 0.3) == w.fast  # it did
+    assert wait_ms(POLICY, sure, w, 0.9, None, None, 0.3) == w.fast  # no cue
+    assert wait_ms(POLICY, (0.05, 0.6, 0.35), w, 0.9, None, 0.2, 0.3) == w.acoustic_hold  # backchannel point
+    assert wait_ms(POLICY, (0.8, 0.1, 0.1), w, 0.9, None, 0.2, 0.3) == w.listen  # listen waits longer
+
+
+def test_acoustic_sweep_trades_held_complete_turns_for_pause_takeover():
+    from duplex.eval.eot import acoustic_sweep, choose_acoustic
+
+    sure, listen = (0.02, 0.0, 0.98), (0.9, 0.05, 0.05)
+    # 10 complete turns, the head sure of each; the voice cue low on one of them
+    complete = [{"label": SPEAK, "probs": sure, "p_voice": 0.8}] * 9 + [
+        {"label": SPEAK, "probs": sure, "p_voice": 0.2}
+    ]
+    # 10 cuts: 6 the head knows go on, 4 it reads as over (the voice: two clearly unfinished, two not)
+    cut = (
+        [{"label": LISTEN, "probs": listen, "p_voice": 0.1}] * 6
+        + [{"label": LISTEN, "probs": sure, "p_voice": 0.1}] * 2
+        + [{"label": LISTEN, "probs": sure, "p_voice": 0.6}] * 2
+    )
+    curve = acoustic_sweep(complete + cut, POLICY, Waits(), 0.9, grid=(0.15, 0.3, 0.7))
+    off, at15, at30, at70 = curve
+    assert off["acoustic_hold"] is None and math.isclose(off["pause_takeover"], 0.4)
+    assert at15["complete_held"] == 0 and math.isclose(at15["pause_takeover"], 0.2)  # the two clear cuts held
+    assert math.isclose(at30["complete_held"], 0.1) and math.isclose(at30["pause_takeover"], 0.2)
+    assert at70["pause_takeover"] == 0 and math.isclose(at70["complete_held"], 0.1)
+    # 1.5 s outlasts every 1-1.5 s pause: a held cut is never taken over
+    assert choose_acoustic(curve, max_held=0.05) == 0.15
+    assert choose_acoustic(curve, max_held=0.1) == 0.7  # no takeover left, one complete turn in ten held
+    assert choose_acoustic(curve[:1], max_held=0.05) is None  # no threshold to choose
+
+
 class _LengthHead:
     """A turn head that calls a transcript complete by its length: P(listen) = 1 / words."""
 

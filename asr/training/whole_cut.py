@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-HOP = 160  # 10 ms at 16 kHz
-WIN = 400
-N_MELS = 40
+from asr.end_of_turn import HOP, log_mel
+
+__all__ = ["HOP", "cut_whole", "log_mel", "prefix_end", "render_turn", "whole_sentence_for"]
 
 
 def _words(text: str) -> list[str]:
@@ -37,33 +37,6 @@ def whole_sentence_for(cut: dict[str, Any], examples: list[dict[str, Any]]) -> s
         if len(words) > best_len and words[: len(head)] == head:
             best, best_len = ex["text"], len(words)
     return best
-
-
-def log_mel(audio: np.ndarray, sr: int = 16000) -> np.ndarray:
-    """(frames, N_MELS) log-mel spectrogram, 25 ms windows every 10 ms."""
-    x = np.asarray(audio, np.float32)
-    if len(x) < WIN:
-        x = np.pad(x, (0, WIN - len(x)))
-    n = 1 + (len(x) - WIN) // HOP
-    frames = np.lib.stride_tricks.as_strided(x, (n, WIN), (x.strides[0] * HOP, x.strides[0]))
-    spec = np.abs(np.fft.rfft(frames * np.hanning(WIN).astype(np.float32), n=512)) ** 2
-    out: np.ndarray = np.log(spec @ _mel_bank(sr) + 1e-8)
-    return out
-
-
-def _mel_bank(sr: int) -> np.ndarray:
-    def mel(f: np.ndarray) -> np.ndarray:
-        return 2595.0 * np.log10(1.0 + f / 700.0)
-
-    edges = 700.0 * (
-        10 ** (np.linspace(mel(np.array(60.0)), mel(np.array(sr / 2 - 200)), N_MELS + 2) / 2595.0) - 1
-    )
-    freqs = np.fft.rfftfreq(512, 1.0 / sr)
-    bank = np.zeros((len(freqs), N_MELS), np.float32)
-    for m in range(N_MELS):
-        lo, mid, hi = edges[m], edges[m + 1], edges[m + 2]
-        bank[:, m] = np.clip(np.minimum((freqs - lo) / (mid - lo), (hi - freqs) / (hi - mid)), 0, None)
-    return bank
 
 
 def _trim_trailing_silence(feats: np.ndarray, floor_db: float = 35.0) -> np.ndarray:
@@ -101,3 +74,31 @@ def cut_whole(whole_audio: np.ndarray, prefix_audio: np.ndarray, sr: int = 16000
     w = log_mel(whole_audio, sr)
     end = prefix_end(w, log_mel(prefix_audio, sr))
     return np.asarray(whole_audio[: (end + 1) * HOP], np.float32)
+
+
+def render_turn(
+    synth: Any,
+    ex: dict[str, Any],
+    examples: list[dict[str, Any]],
+    speaker: Any,
+    rng: np.random.Generator,
+    cut_audio: str = "whole",
+    pause_s: float = 0.2,
+) -> tuple[np.ndarray, str | None]:
+    """One turn's audio (16 kHz float32) and the whole sentence a cut was taken from (None if spoken as is).
+
+    A complete turn, and a cut with `cut_audio="alone"` or without a whole sentence in `examples`, is
+    spoken as it is. Otherwise the whole sentence and the cut text are spoken with the same random draws
+    (rate, F0), the whole sentence's audio is cut where the cut's words end, and `pause_s` of silence
+    follows (the live final is asked once the VAD hears the pause). `duplex eval eot` and the acoustic
+    end-of-turn recipe both render turns here, so the two see the same audio for the same draws."""
+    if cut_audio not in ("alone", "whole"):
+        raise ValueError(f"cut_audio must be 'alone' or 'whole', not {cut_audio!r}")
+    whole = whole_sentence_for(ex, examples) if cut_audio == "whole" and ex["kind"] == "cut" else None
+    if whole is None:
+        return np.asarray(synth.render(ex["text"], speaker, rng).audio, np.float32), None
+    draw = int(rng.integers(2**62))
+    full = synth.render(whole, speaker, np.random.default_rng(draw)).audio
+    alone = synth.render(ex["text"], speaker, np.random.default_rng(draw)).audio
+    silence = np.zeros(int(pause_s * 16000), np.float32)
+    return np.concatenate([cut_whole(full, alone), silence]), whole

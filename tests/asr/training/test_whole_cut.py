@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from duplex.eval.whole_cut import HOP, cut_whole, prefix_end, whole_sentence_for
+from asr.training.whole_cut import HOP, cut_whole, prefix_end, whole_sentence_for
 
 SR = 16000
 
@@ -45,7 +45,7 @@ def test_the_cut_falls_where_the_prefix_ends_in_the_whole(stretch: float) -> Non
 def test_prefix_end_of_identical_audio_is_its_last_loud_frame() -> None:
     rng = np.random.default_rng(1)
     audio = np.concatenate([_word(300, 0.4, rng), _word(700, 0.4, rng)])
-    from duplex.eval.whole_cut import log_mel
+    from asr.training.whole_cut import log_mel
 
     feats = log_mel(audio, SR)
     assert abs(prefix_end(feats, feats) - (len(feats) - 1)) <= 1
@@ -86,7 +86,7 @@ class _ToneSynth:
 
 
 class _WordCounter:
-    """An ASR that hears one 'w' per stretch of sound."""
+    """An ASR that hears one 'w' per stretch of sound; its voice cue: P(complete) = 1 / words."""
 
     def init_state(self) -> None:
         return None
@@ -97,7 +97,7 @@ class _WordCounter:
         x = np.abs(np.asarray(chunk.samples))  # type: ignore[attr-defined]
         loud = np.convolve(x > 0.05, np.ones(80), "same") > 0
         onsets = int(np.count_nonzero(np.diff(loud.astype(np.int8)) == 1) + int(loud[0]))
-        return SimpleNamespace(text=" ".join(["w"] * onsets)), None
+        return SimpleNamespace(text=" ".join(["w"] * onsets), p_complete=1 / max(onsets, 1)), None
 
 
 class _Head:
@@ -132,6 +132,7 @@ def test_eval_eot_speaks_cut_turns_from_their_whole_sentences(monkeypatch: pytes
     assert by_text["one two three"]["heard"] == "w w w"  # three words of the whole sentence, none after
     assert by_text["seven eight"]["heard"] == "w w"
     assert "cut_from" not in by_text[whole] and by_text[whole]["heard"] == "w w w w w w"
+    assert by_text["one two three"]["p_voice"] == pytest.approx(1 / 3, abs=1e-4)  # the ASR's voice cue, kept
     alone = E.speech_rows(_Head(), _WordCounter(), examples, 4, 0, False)
     assert all("cut_from" not in r for r in alone)
     with pytest.raises(ValueError, match="cut_audio"):
