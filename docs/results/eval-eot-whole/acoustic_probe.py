@@ -17,10 +17,9 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 
 from asr.training.speakers import Speaker, Synth, heldout_natural_speakers
-from dialogue.training.turn_data import build_examples, split_examples
+from asr.training.whole_cut import _trim_trailing_silence, cut_whole, log_mel, whole_sentence_for
+from dialogue.training.turn_data import build_examples, speech_examples, split_examples
 from duplex.base.turn_policy import LISTEN, SPEAK
-from duplex.eval.eot import speech_examples
-from duplex.eval.whole_cut import _trim_trailing_silence, cut_whole, log_mel, whole_sentence_for
 
 HERE = Path(__file__).parent
 synth = Synth()
