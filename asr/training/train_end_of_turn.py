@@ -181,7 +181,7 @@ def render_heldout_turns(n: int, seed: int, store: TurnStore, progress: bool = T
 
     from asr.training.speakers import Synth, heldout_natural_speakers
     from asr.training.whole_cut import render_turn
-    from dialogue.training.turn_data import heldout_turn_examples, speech_examples
+    from dialogue.training.turn_sets import heldout_turn_examples, speech_examples
     from duplex.base.turn_policy import LISTEN, SPEAK
 
     if len(store.labels) >= n:

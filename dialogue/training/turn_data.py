@@ -1256,25 +1256,3 @@ def heard_variants(
 def is_heard(example: Mapping[str, Any]) -> bool:
     """An example made by `heard_variants` (the ASR's transcript of another example's text)."""
     return str(example.get("kind", "")).endswith(HEARD_KIND)
-
-
-def heldout_turn_examples(path: Path = EVAL_FILE) -> list[dict[str, Any]]:
-    """The held-out turn-head examples that end a turn or do not (complete: SPEAK, cut: LISTEN)."""
-    lines = Path(path).read_text().splitlines()
-    return [
-        e
-        for e in (json.loads(line) for line in lines if line.strip())
-        if e.get("head", "turn") == "turn" and int(e["label"]) in (LISTEN, SPEAK)
-    ]
-
-
-def speech_examples(examples: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
-    """The held-out turns `duplex eval eot --speech n` speaks, in its order: n // 2 cut, then n // 2
-    complete."""
-    rng = random.Random(seed)
-    chosen: list[dict[str, Any]] = []
-    for lab in (LISTEN, SPEAK):
-        pool = [e for e in examples if int(e["label"]) == lab]
-        rng.shuffle(pool)
-        chosen += pool[: n // 2]
-    return chosen

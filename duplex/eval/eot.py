@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from dialogue.training.turn_data import heldout_turn_examples, speech_examples
+from dialogue.training.turn_sets import heldout_turn_examples, speech_examples
 from duplex.base.paths import DATA_ROOT
 from duplex.base.turn_policy import BACKCHANNEL, LISTEN, SPEAK, TurnPolicy
 

@@ -18,7 +18,8 @@ from sklearn.metrics import roc_auc_score
 
 from asr.training.speakers import Speaker, Synth, heldout_natural_speakers
 from asr.training.whole_cut import _trim_trailing_silence, cut_whole, log_mel, whole_sentence_for
-from dialogue.training.turn_data import build_examples, speech_examples, split_examples
+from dialogue.training.turn_data import build_examples, split_examples
+from dialogue.training.turn_sets import speech_examples
 from duplex.base.turn_policy import LISTEN, SPEAK
 
 HERE = Path(__file__).parent
