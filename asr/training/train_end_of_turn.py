@@ -83,14 +83,15 @@ def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float) -> tuple[np.ndarray, f
 class TurnStore:
     """Rendered turns as int16 audio with label (1 complete, 0 cut), voice, text, index; one .npz."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, load: bool = True) -> None:
+        """The turns saved at `path` (none with `load=False`: a store that replaces them when saved)."""
         self.path = path
         self.audio: list[np.ndarray] = []
         self.labels: list[int] = []
         self.voices: list[str] = []
         self.texts: list[str] = []
         self.index: list[int] = []
-        if path.exists():
+        if load and path.exists():
             d = np.load(path)
             lens = d["lens"]
             audio = d["audio"]  # each d[...] reads the array from the file again: once here
@@ -182,7 +183,7 @@ def render_heldout_turns(n: int, seed: int, store: TurnStore, progress: bool = T
     from asr.training.speakers import Synth, heldout_natural_speakers
     from asr.training.whole_cut import render_turn
     from dialogue.training.turn_sets import heldout_turn_examples, speech_examples
-    from duplex.base.turn_policy import LISTEN, SPEAK
+    from duplex.base.turn_policy import SPEAK
 
     if len(store.labels) >= n:
         return store
@@ -190,12 +191,10 @@ def render_heldout_turns(n: int, seed: int, store: TurnStore, progress: bool = T
     chosen = speech_examples(examples, n, seed)
     speakers = heldout_natural_speakers()
     synth, rng = Synth(), np.random.default_rng(seed)
-    fresh = TurnStore(store.path)
-    fresh.audio, fresh.labels, fresh.voices, fresh.texts, fresh.index = [], [], [], [], []
+    fresh = TurnStore(store.path, load=False)
     for i, ex in enumerate(tqdm(chosen, desc="held-out turns", disable=not progress)):
         speaker = speakers[i % len(speakers)]
         audio, _ = render_turn(synth, ex, examples, speaker, rng)
-        assert int(ex["label"]) in (LISTEN, SPEAK)
         fresh.add(audio, int(int(ex["label"]) == SPEAK), speaker.name, ex["text"], i)
     fresh.save()
     return fresh
