@@ -9,6 +9,11 @@ machine, and the dialogue engine's steps ran twice as slowly in the server as in
 head's listen step at a pause 54 vs 30 ms, the first draft 79 vs 38 ms, P50 of 12 turns;
 docs/results/2026-11-27.md#tenth-session). Loading at one intra-op thread makes no pools;
 `omp_pause_resource_all` (OpenMP 5.0) frees whatever the loading thread still holds.
+
+numpy's OpenBLAS is held to one thread after loading for the same reason (`single_threaded_blas`): its
+workers spin ~0.1 s after each call, and one small product per transcript (the acoustic end-of-turn
+cue's mel filterbank, asr/end_of_turn.py) kept a core busy just when the engine's listen step needed it
+(listen at a pause 23-40 → 117-179 ms, onset P50 349 → 471 ms; docs/results/2026-11-27.md#fifteenth-session).
 """
 
 from __future__ import annotations
@@ -52,10 +57,58 @@ def release_idle_pools() -> bool:
     return bool(fn(OMP_PAUSE_SOFT) == 0)
 
 
+#: the thread-count setters of the OpenBLAS builds numpy ships (scipy-openblas, 64-bit ints) or a system one
+_OPENBLAS_SETTERS = (
+    "scipy_openblas_set_num_threads64_",
+    "scipy_openblas_set_num_threads",
+    "openblas_set_num_threads64_",
+    "openblas_set_num_threads",
+)
+
+
+def loaded_openblas() -> list[str]:
+    """Paths of the OpenBLAS libraries this process has loaded (numpy's, scipy's)."""
+    found: list[str] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if (
+                    path.startswith("/")
+                    and "openblas" in path.rsplit("/", 1)[-1].lower()
+                    and path not in found
+                ):
+                    found.append(path)
+    except OSError:
+        pass
+    return found
+
+
+def single_threaded_blas() -> int:
+    """Hold every loaded OpenBLAS to one thread; returns how many libraries were set. The stages run at
+    their own thread counts (torch, onnxruntime); numpy's small products do not need a pool that spins
+    on the cores they use."""
+    done = 0
+    for path in loaded_openblas():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in _OPENBLAS_SETTERS:
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = [ctypes.c_int], None
+                fn(1)
+                done += 1
+                break
+    return done
+
+
 @contextlib.contextmanager
 def loading_without_pools(import_torch: bool = True) -> Iterator[None]:
     """torch at one intra-op thread inside (no OpenMP pool is made on this thread or on the helper
-    threads that load weights); after it, the previous thread count back and this thread's pool freed.
+    threads that load weights); after it, the previous thread count back, this thread's pool freed, and
+    numpy's OpenBLAS held to one thread (`single_threaded_blas`).
 
     `import_torch=False`: a process whose stages may not need torch (the dialogue engine in a process of its
     own) does not import it for this; if a stage imported it meanwhile, its idle pool is still freed."""
@@ -63,11 +116,13 @@ def loading_without_pools(import_torch: bool = True) -> Iterator[None]:
         yield
         if "torch" in sys.modules:
             release_idle_pools()
+        single_threaded_blas()
         return
     try:
         import torch
     except ImportError:  # no torch stage in this process
         yield
+        single_threaded_blas()
         return
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -76,6 +131,7 @@ def loading_without_pools(import_torch: bool = True) -> Iterator[None]:
     finally:
         torch.set_num_threads(before)
         freed = release_idle_pools()
+        single_threaded_blas()
         log.info(
             "openmp: models loaded at 1 thread, %d threads from now on (idle pool freed: %s)", before, freed
         )

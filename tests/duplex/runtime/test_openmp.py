@@ -76,3 +76,38 @@ def test_a_failed_load_ends_the_llm_process_it_started(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="voice is missing"):
         service.DuplexService.load("cpu", progress=False)
     assert given == [started] and started.closed
+
+
+BLAS_PROBE = """
+import ctypes, numpy
+from duplex.runtime.openmp import loaded_openblas, loading_without_pools
+paths = loaded_openblas()
+assert paths, "numpy here is not built on OpenBLAS"
+lib = ctypes.CDLL(paths[0])
+get = next(getattr(lib, n) for n in ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
+           "openblas_get_num_threads64_", "openblas_get_num_threads") if hasattr(lib, n))
+before = get()
+with loading_without_pools(import_torch=False):
+    pass
+print(before, get())
+"""
+
+
+def test_numpys_blas_runs_at_one_thread_after_loading() -> None:
+    """OpenBLAS's workers spin after each call and took a core from the engine's listen step (the
+    acoustic end-of-turn cue's filterbank product, once per transcript); after loading it is held to one."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", BLAS_PROBE],
+        capture_output=True,
+        text=True,
+        env={"OPENBLAS_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
+    if "not built on OpenBLAS" in out.stderr:
+        pytest.skip("numpy here is not built on OpenBLAS")
+    assert out.returncode == 0, out.stderr
+    before, after = (int(x) for x in out.stdout.split())
+    assert (before, after) == (2, 1)
