@@ -337,6 +337,32 @@ class Conversations:
         assert res.greedy is not None
         return res.greedy
 
+    def sync_checked(self, track: Track, target: list[Piece], n_checked: int) -> tuple[int, list[int]] | None:
+        """`sync` to a target whose open last piece ends with `n_checked` drafted tokens, in one forward
+        that also gives the model's greedy pick after the token before them and after each of them
+        (`append_checked` without a forward of its own). Returns (tokens fed, the n_checked + 1 picks),
+        or None where that one forward did not hold the draft (it was in the cache already, or a
+        rebuild fed it): the track then holds the target as `sync` leaves it, and the caller checks
+        the draft another way (take it back, sync, `append_checked`)."""
+        if n_checked < 1 or not target or target[-1].key[0] != "answer":
+            raise ValueError("sync_checked: the target must end with an answer holding the draft")
+        c = track.cache
+        plan = self._prepare(track, target)
+        if isinstance(plan, int):
+            return None
+        short = len(plan.ids) < n_checked + 1
+        res = self.lm.feed(c, plan.ids, picks_last=0 if short else n_checked + 1)
+        if c.evicted != plan.evicted:
+            track.checkpoints = []
+        # no checkpoint here: the draft's tail may be taken back, and a checkpoint past the cache's
+        # end would restore another text's logits at that length later
+        track.pieces = plan.target
+        track.forget_scrolled_out(self.sink_tokens)
+        if short:
+            return None
+        assert res.greedy is not None and len(res.greedy) == n_checked + 1
+        return len(plan.ids), res.greedy
+
     def take_back(self, track: Track, n: int) -> None:
         """Drop the last `n` tokens of the open last piece (a draft's rejected tail). The cache's
         logits are cleared: the caller knows the model's pick there from `append_checked`."""
@@ -349,6 +375,8 @@ class Conversations:
             )
         self.lm.rollback(track.cache, len(track.cache.ids) - n)
         track.pieces[-1] = Piece(last.key, last.ids[:-n])
+        # a checkpoint past the new end would give another text's logits at that length later
+        track.checkpoints = [x for x in track.checkpoints if x[0] <= len(track.cache.ids)]
 
     def mark(self, track: Track) -> TrackMark:
         """Where a track stands now, for `restore` (a batch that failed part way)."""

@@ -481,16 +481,29 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
 
         assert self.slow is not None and state.slow is not None and state.messages is not None
         conv, track = self.slow, state.slow
-        prefill = self._slow_sync(state)  # the answer's start: state.prefix is "" here
-        first = track.cache.logits
-        assert first is not None
         words = prefix_text(info.draft, ended=info.ended, max_words=self.drafter_options.draft_words)
         head = conv.renderer.answer_ids("")
         full = conv.renderer.answer_ids(words) if words.strip() else head
         draft_ids = full[len(head) :] if full[: len(head)] == head else []
-        picks = [int(torch.argmax(first))]
+        checked = None
         if draft_ids:
-            picks += conv.append_checked(track, draft_ids)
+            # the end of the user's message, the answer's header and the draft in one forward
+            target = pieces_for(conv.renderer, self._slow_messages(state.messages), answer_prefix=words)
+            checked = conv.sync_checked(track, target, len(draft_ids))
+            if checked is None:  # the draft was fed without its picks: back to the answer's start
+                conv.take_back(track, len(draft_ids))
+        if checked is not None:
+            prefill, picks = checked
+            prefill -= len(draft_ids)  # tokens of the conversation; the draft's are counted as checked
+            state.pending = []
+            state.answer_live = True
+        else:
+            prefill = self._slow_sync(state)  # the answer's start: state.prefix is "" here
+            first = track.cache.logits
+            assert first is not None
+            picks = [int(torch.argmax(first))]
+            if draft_ids:
+                picks += conv.append_checked(track, draft_ids)
         kept = 0
         while kept < len(draft_ids) and draft_ids[kept] == picks[kept]:
             kept += 1

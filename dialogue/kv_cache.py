@@ -169,25 +169,29 @@ class CachedLM:
 
     # -- feeding ----------------------------------------------------------------------------
 
-    def feed(self, c: LmCache, ids: Sequence[int], *, greedy: bool = False) -> FeedResult:
+    def feed(
+        self, c: LmCache, ids: Sequence[int], *, greedy: bool = False, picks_last: int = 0
+    ) -> FeedResult:
         """Run `ids` through the model after the cached tokens (in place), evicting as needed.
 
         A feed that would overflow `sink_tokens + window_tokens` first evicts the oldest window
         tokens, rounded up to a multiple of `evict_chunk`. A feed longer than the window goes in
         window-sized pieces, since no single forward can fit more than that after the sinks.
-        `greedy`: also the argmax next token after every fed token (lm_head on every position).
+        `greedy`: also the argmax next token after every fed token (lm_head on every position);
+        `picks_last`: only after each of the last that many fed tokens (`FeedResult.greedy` holds those).
         """
         toks = [int(t) for t in ids]
         if not toks:
             raise ValueError("feed: no tokens to feed")
         evicted = 0
         pos = 0
-        picks: list[int] | None = [] if greedy else None
+        picks: list[int] | None = [] if greedy or picks_last > 0 else None
+        first_pick = 0 if greedy else len(toks) - picks_last  # the first fed position whose pick is wanted
         with torch.inference_mode():
             while pos < len(toks):
                 take, k = self._make_room(c, len(toks) - pos)
                 evicted += k
-                self._forward(c, toks[pos : pos + take], picks)
+                self._forward(c, toks[pos : pos + take], picks, max(0, first_pick - pos))
                 pos += take
         assert c.logits is not None and c.hidden is not None
         return FeedResult(logits=c.logits, hidden=c.hidden, evicted=evicted, greedy=picks)
@@ -281,7 +285,9 @@ class CachedLM:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _forward(self, c: LmCache, toks: list[int], picks: list[int] | None = None) -> None:
+    def _forward(
+        self, c: LmCache, toks: list[int], picks: list[int] | None = None, pick_from: int = 0
+    ) -> None:
         start = len(c.ids)
         n = len(toks)
         device = self._device()
@@ -304,9 +310,10 @@ class CachedLM:
         # lm_head on the last position only: the vocab projection of prefill positions is wasted
         # (unless the caller wants every position's greedy pick)
         logits = self.model.lm_head(last)
-        if picks is not None:
-            if n > 1:
-                picks.extend(int(t) for t in torch.argmax(self.model.lm_head(states[0, :-1]), dim=-1))
+        if picks is not None and pick_from < n:
+            if pick_from < n - 1:
+                head = self.model.lm_head(states[0, pick_from:-1])
+                picks.extend(int(t) for t in torch.argmax(head, dim=-1))
             picks.append(int(torch.argmax(logits[0])))
         c.ids.extend(toks)
         c.logits = logits[0].float()

@@ -132,6 +132,55 @@ def test_rollback_of_a_revised_partial_restores_exact_logits(tokenizer):
     torch.testing.assert_close(track.cache.logits, fresh_logits(model, ids), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_sync_checked_is_sync_then_append_checked_in_one_forward(tokenizer, arch):
+    """The exact relay's check: the end of the user's message, the answer's header and the draft go in
+    one forward, and the picks after the header and after each drafted token are those of a sync followed
+    by `append_checked`; the caches hold the same tokens and give the same logits."""
+    model = tiny(arch, len(tokenizer), 6)
+    r = ChatRenderer(tokenizer, SYSTEM)
+    draft = "the capital is"
+    msgs = [{"role": "user", "content": "what is the capital of france"}]
+    drafted = r.answer_ids(draft)[len(r.answer_ids("")) :]
+    tracks = []
+    for merged in (False, True):
+        conv = Conversations(CachedLM(model, sink_tokens=len(r.system_ids), window_tokens=4000), r)
+        track = conv.new_track()
+        conv.sync(track, pieces_for(r, [], open_user="what is the capital of"))  # heard while they talked
+        if merged:
+            got = conv.sync_checked(track, pieces_for(r, msgs, answer_prefix=draft), len(drafted))
+            assert got is not None
+            fed, picks = got
+            assert fed == len(r.encode(" france<|im_end|>\n<|im_start|>assistant\n")) + len(drafted)
+        else:
+            conv.sync(track, pieces_for(r, msgs, answer_prefix=""))
+            picks = [int(torch.argmax(track.cache.logits))] + conv.append_checked(track, drafted)
+        tracks.append((conv, track, picks))
+    (_, one, want), (conv, merged_track, got) = tracks
+    assert got == want and len(got) == len(drafted) + 1
+    assert merged_track.cache.ids == one.cache.ids
+    torch.testing.assert_close(merged_track.cache.logits, one.cache.logits, atol=1e-5, rtol=1e-5)
+    # the draft's rejected tail goes back, and no checkpoint past the end survives to be restored later
+    conv.take_back(merged_track, 2)
+    assert all(cp[0] <= len(merged_track.cache.ids) for cp in merged_track.checkpoints)
+    conv.append(merged_track, drafted[-2:])
+    torch.testing.assert_close(merged_track.cache.logits, one.cache.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_sync_checked_leaves_a_draft_already_held_to_the_caller(tokenizer):
+    """Nothing new to feed (the draft is in the cache already): no picks, and the track holds the target."""
+    model = tiny("llama", len(tokenizer), 7)
+    r = ChatRenderer(tokenizer, SYSTEM)
+    conv = Conversations(CachedLM(model, sink_tokens=len(r.system_ids), window_tokens=4000), r)
+    track = conv.new_track()
+    target = pieces_for(r, [{"role": "user", "content": "hello"}], answer_prefix="hi there")
+    conv.sync(track, target)
+    assert conv.sync_checked(track, target, 2) is None
+    assert track.cache.ids == r.system_ids + [i for p in target for i in p.ids]
+    with pytest.raises(ValueError, match="answer"):
+        conv.sync_checked(track, pieces_for(r, [{"role": "user", "content": "hello"}]), 2)
+
+
 def test_answer_cut_at_barge_in_keeps_only_the_heard_words(tokenizer):
     model = tiny("qwen2", len(tokenizer), 2)
     r = ChatRenderer(tokenizer, SYSTEM)

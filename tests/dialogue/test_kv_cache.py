@@ -328,6 +328,23 @@ def test_feed_longer_than_the_window_goes_in_pieces(model: PreTrainedModel) -> N
     assert len(c.ids) <= 104 and c.cache.get_seq_length() == len(c.ids)
 
 
+def test_picks_for_the_last_tokens_are_the_tail_of_every_pick(model: PreTrainedModel) -> None:
+    """`feed(picks_last=k)` gives the greedy pick after each of the last k fed tokens (the lm_head runs
+    on those only), across window pieces too."""
+    rng = random.Random(10)
+    prompt, tail = rand_ids(rng, 12), rand_ids(rng, 120)
+    for window in (4000, 48):
+        lm = CachedLM(model, sink_tokens=8, window_tokens=window, evict_chunk=16)
+        every, last = lm.new(), lm.new()
+        lm.feed(every, prompt)
+        lm.feed(last, prompt)
+        picks = lm.feed(every, tail, greedy=True).greedy
+        assert picks is not None and len(picks) == len(tail)
+        for k in (1, 5, 60):
+            c = lm.fork(last)
+            assert lm.feed(c, tail, picks_last=k).greedy == picks[-k:]
+
+
 def test_sink_prompt_longer_than_window_is_kept(shallow: PreTrainedModel) -> None:
     """A system prompt used as sinks may be longer than the window; it must never be evicted."""
     lm = CachedLM(shallow, sink_tokens=30, window_tokens=16, evict_chunk=4)
