@@ -195,6 +195,7 @@ def load_turn_heads(
             acoustic_hold_threshold=(
                 float(th["acoustic_hold"]) if th.get("acoustic_hold") is not None else None
             ),
+            voice_fast_threshold=float(th["voice_fast"]) if th.get("voice_fast") is not None else None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelError(f"turn-taking heads: bad thresholds {th!r} in {meta_path}; {hint}") from exc

@@ -381,8 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--compare-acoustic-hold",
         action="store_true",
-        help="the same conversation twice on one server: the acoustic end-of-turn hold off, then on "
-        "(OUT/hold-*/ and OUT/compare-acoustic-hold.txt)",
+        help="the same conversation three times on one server: the acoustic end-of-turn cue off, its hold "
+        "alone, its hold and voice-confirmed short wait (OUT/<variant>/ and OUT/compare-acoustic-hold.txt)",
     )
     b.add_argument(
         "--compare-speech-end",

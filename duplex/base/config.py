@@ -54,6 +54,10 @@ class SessionOptions:
     #: finished (the ASR's acoustic end-of-turn cue below the heads' `acoustic_hold` threshold: often a
     #: mid-sentence pause the recogniser closed with a full stop); 0 turns the cue off
     acoustic_hold_silence_ms: int = 1500
+    #: a turn whose words the turn head calls complete, less surely than its short-hangover threshold, ends
+    #: after `fast_turn_silence_ms` all the same when the voice sounded finished (the cue at or above the
+    #: heads' `voice_fast` threshold); false: only the head's confidence shortens the wait
+    voice_fast_end: bool = True
     #: user speech over the service's answer longer than this interrupts it whatever was said;
     #: shorter speech interrupts only if the overlap head calls it an interruption, not a backchannel
     max_backchannel_ms: int = 900
@@ -98,6 +102,7 @@ class SessionOptions:
         "incomplete_turn_silence_ms",
         "backchannel_turn_silence_ms",
         "acoustic_hold_silence_ms",
+        "voice_fast_end",
         "max_backchannel_ms",
         "backchannels",
         "relay",
@@ -107,7 +112,7 @@ class SessionOptions:
         "speech_end_db",
         "early_final_ms",
     )
-    _BOOLEAN = ("backchannels", "relay", "asr_end_of_utterance", "early_answer")
+    _BOOLEAN = ("backchannels", "relay", "asr_end_of_utterance", "early_answer", "voice_fast_end")
 
     def with_overrides(self, overrides: dict[str, Any]) -> SessionOptions:
         """Apply a client's per-session deltas; unknown or out-of-range values raise ConfigError."""

@@ -39,21 +39,33 @@ class TurnPolicy:
     #: acoustic end of turn: a SPEAK or BACKCHANNEL whose voice did not sound finished (the ASR's acoustic P(complete)
     #: below this) waits `acoustic_hold_silence_ms`; calibrated by `duplex eval eot --write`; None: off
     acoustic_hold_threshold: float | None = None
+    #: acoustic end of turn, the other way: a SPEAK the head is less sure of (P(take) below
+    #: `fast_take_threshold`) whose voice sounded finished (the ASR's acoustic P(complete) at or above
+    #: this) also ends after the short hangover: two cues agree; calibrated by `duplex eval eot
+    #: --write-acoustic`; None: off
+    voice_fast_threshold: float | None = None
 
     @staticmethod
     def p_take(probs: Sequence[float] | Any) -> float:
         """P(the user has finished, for now) = 1 - P(listen)."""
         return 1.0 - float(probs[0])
 
-    def confident_end(self, probs: Sequence[float] | Any) -> bool:
-        """The head is sure enough the turn is over to take it after the short hangover."""
+    def confident_end(self, probs: Sequence[float] | Any, p_complete: float | None = None) -> bool:
+        """The head is sure enough the turn is over to take it after the short hangover, or it judged
+        the words complete and the voice (`p_complete`, the ASR's acoustic cue) sounded finished."""
         if self.fast_take_threshold is None or self.decide_turn(probs) != SPEAK:
             return False
-        return self.p_take(probs) >= self.fast_take_threshold
+        if self.p_take(probs) >= self.fast_take_threshold:
+            return True
+        return (
+            self.voice_fast_threshold is not None
+            and p_complete is not None
+            and p_complete >= self.voice_fast_threshold
+        )
 
-    def end_wait_share(self, probs: Sequence[float] | Any) -> float:
+    def end_wait_share(self, probs: Sequence[float] | Any, p_complete: float | None = None) -> float:
         """Where between the short hangover (0.0) and the full one (1.0) a turn the head judged over ends."""
-        if self.confident_end(probs):
+        if self.confident_end(probs, p_complete):
             return 0.0
         hi, lo = self.fast_take_threshold, self.graded_take_threshold
         if hi is None or lo is None or not lo < hi or self.decide_turn(probs) != SPEAK:

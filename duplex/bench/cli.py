@@ -448,10 +448,12 @@ EARLY_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("early-off", {"early_answer": False}),
     ("early-on", {"early_answer": True}),
 )
-#: `--compare-acoustic-hold`: the acoustic end-of-turn cue's hold off, then on (asr.end_of_turn)
+#: `--compare-acoustic-hold`: the acoustic end-of-turn cue (asr.end_of_turn) off, its hold alone, then the
+#: hold and its voice-confirmed short wait (the default)
 ACOUSTIC_HOLD_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("hold-off", {"acoustic_hold_silence_ms": 0}),
-    ("hold-on", {"acoustic_hold_silence_ms": 1500}),
+    ("cue-off", {"acoustic_hold_silence_ms": 0, "voice_fast_end": False}),
+    ("hold-on", {"acoustic_hold_silence_ms": 1500, "voice_fast_end": False}),
+    ("hold+fast", {"acoustic_hold_silence_ms": 1500, "voice_fast_end": True}),
 )
 #: `--compare-speech-end`: the pause where the VAD's window says, dated back to the voice's end, and that
 #: plus the final transcript started at the voice's end (duplex.core.endpointing.speech_end)

@@ -1082,12 +1082,14 @@ class SessionCore:
             seg.decision, seg.confident_end, seg.end_wait_share = "listen", False, 1.0
         else:
             policy = self.stages.policy
+            p_voice = seg.spec_p_complete if text == (seg.spec_final or "") else None
             seg.decision = LABELS[policy.decide_turn(probs)]
-            seg.confident_end = policy.confident_end(probs)
-            seg.end_wait_share = policy.end_wait_share(probs)
+            # the words and the voice both say the turn is over: the short hangover
+            fast_voice = p_voice if self.options.voice_fast_end else None
+            seg.confident_end = policy.confident_end(probs, fast_voice)
+            seg.end_wait_share = policy.end_wait_share(probs, fast_voice)
             # the words sound finished, the voice does not: a recogniser often closes a sentence
             # cut off mid-way with a full stop ("what is the capital of" -> "What is the capital?")
-            p_voice = seg.spec_p_complete if text == (seg.spec_final or "") else None
             if self.options.acoustic_hold_silence_ms > 0 and policy.acoustic_hold(probs, p_voice):
                 seg.acoustic_hold, seg.confident_end = True, False
         shown = {"listen": round(p_listen, 3), "backchannel": round(p_bc, 3), "speak": round(p_speak, 3)}

@@ -27,7 +27,13 @@ With a recogniser that gives the acoustic end-of-turn cue (`asr.end_of_turn`; ea
 as `p_voice`), the speech rows are swept once more at the chosen thresholds: a turn judged over whose
 voice's P(complete) is below `acoustic_hold` waits `Waits.acoustic_hold` (1.5 s). Chosen: the threshold
 with the least takeover at 1-1.5 s pauses among those that hold at most `--max-held-complete` of the
-complete spoken turns longer (`thresholds.acoustic_hold` with `--write`).
+complete spoken turns longer (`thresholds.acoustic_hold` with `--write`). The cue works the other way
+too: a SPEAK the head is less sure of (below `fast_take`) whose voice's P(complete) is at least
+`voice_fast` ends after the short wait (two cues agree). Swept at the chosen hold; chosen: the lowest
+threshold that keeps takeover at hesitations within the speech limit, adds no takeover at 1-1.5 s pauses,
+and at which the cue alone is right about ≥ `--min-voice-precision` of the spoken turns it calls
+complete (a guard: few cut turns reach that band of the head, so the takeover curves alone are flat)
+(`thresholds.voice_fast`).
 """
 
 from __future__ import annotations
@@ -71,10 +77,12 @@ def wait_ms(
     graded_take: float | None = None,
     p_voice: float | None = None,
     acoustic_hold: float | None = None,
+    voice_fast: float | None = None,
 ) -> int:
     """The silence the session waits before taking the turn, for one turn-head output (as
     `SessionCore._turn_wait_ms` with `TurnPolicy.end_wait_share`); `p_voice` is the ASR's acoustic
-    P(complete), and a turn judged over whose voice is below `acoustic_hold` waits `waits.acoustic_hold`."""
+    P(complete), and a turn judged over whose voice is below `acoustic_hold` waits `waits.acoustic_hold`;
+    a SPEAK below `fast_take` whose voice is at least `voice_fast` waits `waits.fast`."""
     d = policy.decide_turn(probs)
     if d == LISTEN:
         return waits.listen
@@ -86,6 +94,8 @@ def wait_ms(
     assert d == SPEAK
     p = policy.p_take(probs)
     if fast_take is not None and p >= fast_take:
+        return waits.fast
+    if fast_take is not None and voice_fast is not None and p_voice is not None and p_voice >= voice_fast:
         return waits.fast
     if fast_take is not None and graded_take is not None and graded_take < fast_take and p >= graded_take:
         return waits.fast + round((fast_take - p) / (fast_take - graded_take) * (waits.speak - waits.fast))
@@ -181,6 +191,7 @@ def choose(curves: dict[str, list[dict[str, Any]]], limits: dict[str, float]) ->
 
 
 ACOUSTIC_GRID = tuple(round(x, 3) for x in np.arange(0.05, 0.6001, 0.05))
+VOICE_GRID = tuple(round(x, 3) for x in np.arange(0.40, 0.9501, 0.05))
 
 
 def acoustic_sweep(
@@ -221,6 +232,73 @@ def acoustic_sweep(
             }
         )
     return out
+
+
+def voice_fast_sweep(
+    rows: list[dict[str, Any]],
+    policy: TurnPolicy,
+    waits: Waits,
+    fast_take: float | None,
+    graded_take: float | None,
+    acoustic_hold: float | None,
+    grid: Sequence[float] = VOICE_GRID,
+) -> list[dict[str, Any]]:
+    """With the head's thresholds and the acoustic hold fixed, one point per `voice_fast` threshold (None
+    first: off): a SPEAK below `fast_take` whose voice's P(complete) is at least it waits the short
+    hangover. `voice_precision`: of the spoken turns the cue alone calls complete, the share that are."""
+    complete = [r for r in rows if r["label"] == SPEAK]
+    cut = [r for r in rows if r["label"] == LISTEN]
+
+    def waits_of(subset: list[dict[str, Any]], thr: float | None) -> np.ndarray:
+        return np.array(
+            [
+                wait_ms(
+                    policy, r["probs"], waits, fast_take, graded_take, r.get("p_voice"), acoustic_hold, thr
+                )
+                for r in subset
+            ],
+            dtype=float,
+        )
+
+    pc = np.array([r["p_voice"] for r in complete if r.get("p_voice") is not None], dtype=float)
+    px = np.array([r["p_voice"] for r in cut if r.get("p_voice") is not None], dtype=float)
+    out = []
+    for thr in (None, *grid):
+        wc, wx = waits_of(complete, thr), waits_of(cut, thr)
+        called = (int((pc >= thr).sum()), int((px >= thr).sum())) if thr is not None else (0, 0)
+        out.append(
+            {
+                "voice_fast": thr,
+                "wait_p50_ms": float(np.percentile(wc, 50)) if len(wc) else float("nan"),
+                "wait_p90_ms": float(np.percentile(wc, 90)) if len(wc) else float("nan"),
+                "wait_mean_ms": float(wc.mean()) if len(wc) else float("nan"),
+                "fast_share": float((wc == waits.fast).mean()) if len(wc) else float("nan"),
+                "hesitation_takeover": _taken(wx, HESITATION_S),
+                "pause_takeover": _taken(wx, PAUSE_S),
+                "voice_precision": called[0] / sum(called) if sum(called) else None,
+            }
+        )
+    return out
+
+
+def choose_voice_fast(
+    curve: list[dict[str, Any]], max_hesitation: float, min_precision: float
+) -> float | None:
+    """The lowest `voice_fast` threshold (most turns fast) whose takeover at hesitations is within
+    `max_hesitation`, whose takeover at 1-1.5 s pauses is no higher than with it off, and at which the cue
+    alone is right about at least `min_precision` of the turns it calls complete; None if none is, or if
+    none makes a turn faster."""
+    off = curve[0]
+    for p in curve[1:]:
+        if (
+            p["hesitation_takeover"] <= max_hesitation
+            and p["pause_takeover"] <= off["pause_takeover"] + 1e-9
+            and p["voice_precision"] is not None
+            and p["voice_precision"] >= min_precision
+            and p["fast_share"] > off["fast_share"]
+        ):
+            return float(p["voice_fast"])
+    return None
 
 
 def choose_acoustic(curve: list[dict[str, Any]], max_held: float) -> float | None:
@@ -396,7 +474,31 @@ def report(results: dict[str, Any]) -> str:
             f"  chosen acoustic_hold threshold: {results.get('chosen_acoustic')} (least pause takeover holding "
             f"<= {100 * results.get('max_held_complete', 0):.0f} % of complete turns)"
         )
+    voice = results.get("voice_fast")
+    if voice:
+        lines.append(
+            "  voice-confirmed short wait (speech; a SPEAK below fast_take whose voice sounds finished):"
+        )
+        for p in voice:
+            thr = p["voice_fast"]
+            label = "off" if thr is None else f"{thr:.2f}"
+            mark = "  <- chosen" if thr is not None and thr == results.get("chosen_voice_fast") else ""
+            lines.append(
+                f"    {label:>6}: wait P50 {p['wait_p50_ms']:4.0f} ms P90 {p['wait_p90_ms']:5.0f} ms mean "
+                f"{p['wait_mean_ms']:4.0f} ms, fast {100 * p['fast_share']:5.1f} %, takeover at hesitations "
+                f"{100 * p['hesitation_takeover']:4.1f} %, at 1-1.5 s pauses {100 * p['pause_takeover']:4.1f} %, "
+                f"cue precision {_pct(p['voice_precision'])}{mark}"
+            )
+        lines.append(
+            f"  chosen voice_fast threshold: {results.get('chosen_voice_fast')} (lowest within the speech "
+            f"hesitation limit, no more pause takeover, cue precision >= "
+            f"{100 * results.get('min_voice_precision', 0):.0f} %)"
+        )
     return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "    -  " if x is None else f"{100 * x:5.1f} %"
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -406,7 +508,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     acoustic = results.get("acoustic")
-    fig, ax = plt.subplots(1, 4 if acoustic else 3, figsize=(21 if acoustic else 16, 4.2))
+    voice = results.get("voice_fast")
+    panels = 3 + bool(acoustic) + bool(voice)
+    fig, ax = plt.subplots(1, panels, figsize=(5.3 * panels, 4.2))
     for name, curve in results["curves"].items():
         pts = [p for p in curve if p["fast_take"] is not None]
         ax[0].plot(
@@ -444,6 +548,39 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax[3].set_xlabel("complete spoken turns held longer (%)")
         ax[3].set_ylabel("takeover at 1-1.5 s pauses (%)")
         ax[3].set_title("acoustic hold by threshold (x: off)")
+    if voice:
+        a = ax[-1]
+        pts = [p for p in voice if p["voice_fast"] is not None]
+        a.plot(
+            [100 * p["fast_share"] for p in pts],
+            [100 * p["hesitation_takeover"] for p in pts],
+            ".-",
+            label="hesitations",
+        )
+        a.plot(
+            [100 * p["fast_share"] for p in pts],
+            [100 * p["pause_takeover"] for p in pts],
+            ".-",
+            label="1-1.5 s pauses",
+        )
+        for p in pts[::2]:
+            a.annotate(
+                f"{p['voice_fast']:.2f}", (100 * p["fast_share"], 100 * p["hesitation_takeover"]), fontsize=7
+            )
+        a.plot([100 * voice[0]["fast_share"]], [100 * voice[0]["hesitation_takeover"]], "x", color="k")
+        if results.get("chosen_voice_fast") is not None:
+            c = next(p for p in pts if p["voice_fast"] == results["chosen_voice_fast"])
+            a.plot(
+                [100 * c["fast_share"]],
+                [100 * c["hesitation_takeover"]],
+                "o",
+                mfc="none",
+                color="k",
+                label="chosen",
+            )
+        a.set_xlabel("complete spoken turns taken after the short wait (%)")
+        a.set_ylabel("takeover (%)")
+        a.set_title("voice-confirmed short wait by threshold (x: off)")
     for a in ax:
         a.grid(alpha=0.3)
         if a.get_legend_handles_labels()[0]:
@@ -474,6 +611,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         default=0.08,
         help="the acoustic hold may keep at most this share of complete spoken turns waiting longer",
     )
+    ap.add_argument(
+        "--min-voice-precision",
+        type=float,
+        default=0.9,
+        help="the voice-confirmed short wait needs the cue alone right about this share of the turns it calls complete",
+    )
     ap.add_argument("--out", default="eval-out", help="folder for eot.json and eot.png")
     ap.add_argument(
         "--rows", default=None, metavar="JSON", help="reuse the turn-head outputs of an earlier eot.json"
@@ -490,7 +633,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--write-acoustic",
         action="store_true",
-        help="sweep the acoustic hold at the heads' shipped thresholds and store only its threshold",
+        help="sweep the acoustic cue at the heads' shipped thresholds and store only its thresholds "
+        "(acoustic_hold, voice_fast)",
     )
     ap.add_argument("--no-progress", action="store_true")
 
@@ -499,14 +643,23 @@ def run(args: argparse.Namespace) -> int:
     from dialogue.turn_taking import heads_metadata_path
 
     progress = not args.no_progress
+    source: dict[str, Any] = {}
     if args.rows:
-        rows = json.loads(Path(args.rows).read_text())["rows"]
+        source = json.loads(Path(args.rows).read_text())
+        rows = source["rows"]
         policy = _policy_of(None)
     else:
         rows, policy = _collect(args, progress)
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "cut_audio": getattr(args, "cut_audio", "alone"),
+        # --rows: the turn-head outputs are that run's
+        **({"rows_from": {"path": str(args.rows), "date": source.get("date")}} if source else {}),
+        # rows cut from their whole sentence's audio say which sentence (`cut_from`)
+        "cut_audio": (
+            ("whole" if any("cut_from" in r for r in rows) else "alone")
+            if source
+            else getattr(args, "cut_audio", "alone")
+        ),
         "take_threshold": policy.take_threshold,
         "limits": {"text": args.max_hesitation_takeover, "speech": args.max_hesitation_takeover_speech},
         "waits_ms": vars(Waits()),
@@ -525,6 +678,7 @@ def run(args: argparse.Namespace) -> int:
         results["chosen_graded"] = choose_graded(results["graded"], results["limits"])
     speech = [r for r in rows if r["voice"] != "text"]
     results["acoustic"], results["chosen_acoustic"] = None, None
+    results["voice_fast"], results["chosen_voice_fast"] = None, None
     if any(r.get("p_voice") is not None for r in speech):
         # at the thresholds the heads ship with (--write-acoustic) or at the ones chosen here
         shipped = bool(getattr(args, "write_acoustic", False))
@@ -534,6 +688,13 @@ def run(args: argparse.Namespace) -> int:
         results["acoustic"] = acoustic_sweep(speech, policy, Waits(), fast, graded)
         results["max_held_complete"] = args.max_held_complete
         results["chosen_acoustic"] = choose_acoustic(results["acoustic"], args.max_held_complete)
+        results["voice_fast"] = voice_fast_sweep(
+            speech, policy, Waits(), fast, graded, results["chosen_acoustic"]
+        )
+        results["min_voice_precision"] = args.min_voice_precision
+        results["chosen_voice_fast"] = choose_voice_fast(
+            results["voice_fast"], args.max_hesitation_takeover_speech, args.min_voice_precision
+        )
     results["rows"] = rows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -549,9 +710,13 @@ def run(args: argparse.Namespace) -> int:
         path = heads_metadata_path()
         meta = json.loads(path.read_text())
         meta["thresholds"]["acoustic_hold"] = results["chosen_acoustic"]
+        meta["thresholds"]["voice_fast"] = results["chosen_voice_fast"]
         meta.setdefault("calibration", {})["acoustic_hold"] = _acoustic_calibration(results)
         path.write_text(json.dumps(meta, indent=1) + "\n")
-        print(f"wrote acoustic_hold {results['chosen_acoustic']} into {path}")
+        print(
+            f"wrote acoustic_hold {results['chosen_acoustic']}, voice_fast {results['chosen_voice_fast']} "
+            f"into {path}"
+        )
     if args.write:
         if results["chosen"] is None:
             raise SystemExit("eval eot: no threshold meets the limits; nothing written")
@@ -561,6 +726,7 @@ def run(args: argparse.Namespace) -> int:
         meta["thresholds"]["graded_take"] = results["chosen_graded"]
         if results["acoustic"] is not None:
             meta["thresholds"]["acoustic_hold"] = results["chosen_acoustic"]
+            meta["thresholds"]["voice_fast"] = results["chosen_voice_fast"]
         meta.setdefault("calibration", {})["fast_take"] = {
             "command": "duplex eval eot --write",
             "date": results["date"],
@@ -589,11 +755,22 @@ def _acoustic_calibration(results: dict[str, Any]) -> dict[str, Any]:
         "command": "duplex eval eot --speech N --cut-audio whole --write[-acoustic]",
         "date": results["date"],
         "cut_audio": results["cut_audio"],
+        "rows_from": results.get("rows_from"),
         "at_turn_thresholds": results.get("acoustic_at"),
         "max_held_complete": results["max_held_complete"],
         "hold_ms": Waits().acoustic_hold,
         "off": results["acoustic"][0],
         "at_chosen": next(p for p in results["acoustic"] if p["acoustic_hold"] == results["chosen_acoustic"]),
+        "min_voice_precision": results.get("min_voice_precision"),
+        "voice_fast_off": (results.get("voice_fast") or [None])[0],
+        "voice_fast_at_chosen": next(
+            (
+                p
+                for p in results.get("voice_fast") or []
+                if p["voice_fast"] == results.get("chosen_voice_fast")
+            ),
+            None,
+        ),
     }
 
 
@@ -611,6 +788,7 @@ def _policy_of(stage: Any) -> TurnPolicy:
         fast_take_threshold=th.get("fast_take"),
         graded_take_threshold=th.get("graded_take"),
         acoustic_hold_threshold=th.get("acoustic_hold"),
+        voice_fast_threshold=th.get("voice_fast"),
     )
 
 

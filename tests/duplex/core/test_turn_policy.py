@@ -505,3 +505,62 @@ def test_acoustic_hold_rule():
     assert policy.acoustic_hold((0.05, 0.60, 0.35), 0.2)  # a backchannel point too (it answers after)
     assert not policy.acoustic_hold((0.80, 0.10, 0.10), 0.1)  # listen waits anyway
     assert not dataclasses.replace(policy, acoustic_hold_threshold=None).acoustic_hold((0.05, 0.05, 0.9), 0.1)
+
+
+def test_voice_fast_rule():
+    """A SPEAK the head is less sure of ends after the short hangover when the voice sounded finished."""
+    policy = TurnPolicy(0.5, 0.7, 0.5, take_threshold=0.6, fast_take_threshold=0.9, voice_fast_threshold=0.7)
+    unsure = (0.25, 0.05, 0.70)  # SPEAK, P(take) 0.75 < fast_take
+    assert not policy.confident_end(unsure)  # the words alone
+    assert policy.confident_end(unsure, 0.8) and policy.end_wait_share(unsure, 0.8) == 0.0
+    assert not policy.confident_end(unsure, 0.6)  # the voice not sure enough
+    assert not policy.confident_end((0.25, 0.60, 0.15), 0.95)  # a backchannel point keeps its wait
+    assert not policy.confident_end((0.8, 0.1, 0.1), 0.95)  # listen: the words go on
+    assert not dataclasses.replace(policy, voice_fast_threshold=None).confident_end(unsure, 0.95)
+    assert not dataclasses.replace(policy, fast_take_threshold=None).confident_end(
+        unsure, 0.95
+    )  # short wait off
+
+
+def test_a_finished_voice_shortens_the_wait_of_an_unsure_complete_turn():
+    """The words' head is unsure the question is over (P(take) 0.75, below fast_take): the full hangover;
+    with the voice sounding finished (the cue 0.8 >= voice_fast 0.7) the short one. The session option
+    `voice_fast_end: false` and an unsure voice keep the full hangover."""
+    from duplex.testing.fakes import ToneAsr
+
+    def head(text: str) -> tuple[float, float, float]:
+        return (0.25, 0.05, 0.70) if text.split()[-1] == "france" else (0.9, 0.05, 0.05)
+
+    policy = TurnPolicy(
+        0.5,
+        0.7,
+        0.5,
+        take_threshold=0.6,
+        fast_take_threshold=0.9,
+        acoustic_hold_threshold=0.3,
+        voice_fast_threshold=0.7,
+    )
+
+    def wait(p: TurnPolicy, voice: float, **options: object) -> float:
+        profile = load_profile("cpu")
+        stages = dataclasses.replace(
+            fake_turn_stages(scripted_answer, turn_fn=head, asr=ToneAsr(voice_fn=lambda t: voice)), policy=p
+        )
+        clock = FakeClock()
+        core = SessionCore(
+            "s1", profile, stages, clock, options=dataclasses.replace(profile.session, **options)
+        )
+        speech = tone_speech("what is the capital of france")
+        r = replay(core, clock, np.concatenate([silence(0.5), speech, silence(3.0)]), FAST_COSTS)
+        return r.audio_frames()[0].t - (0.5 + len(speech) / SR)
+
+    fast = wait(policy, 0.8)
+    slow = [
+        wait(dataclasses.replace(policy, voice_fast_threshold=None), 0.8),
+        wait(policy, 0.6),
+        wait(policy, 0.8, voice_fast_end=False),
+    ]
+    profile = load_profile("cpu")
+    gap = (profile.session.end_of_turn_silence_ms - profile.session.fast_turn_silence_ms) / 1000
+    for s in slow:
+        assert abs((s - fast) - gap) < 0.05, (fast, slow)

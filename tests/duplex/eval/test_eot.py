@@ -112,6 +112,36 @@ def test_acoustic_sweep_trades_held_complete_turns_for_pause_takeover():
     assert choose_acoustic(curve[:1], max_held=0.05) is None  # no threshold to choose
 
 
+def test_voice_fast_follows_the_session_rule():
+    w = Waits()
+    unsure = (0.25, 0.05, 0.70)  # SPEAK below fast_take 0.9
+    assert wait_ms(POLICY, unsure, w, 0.9, None, 0.8, 0.3, 0.7) == w.fast  # the voice sounded finished
+    assert wait_ms(POLICY, unsure, w, 0.9, None, 0.6, 0.3, 0.7) == w.speak  # not sure enough
+    assert wait_ms(POLICY, unsure, w, 0.9, None, 0.2, 0.3, 0.7) == w.acoustic_hold  # unfinished: held
+    assert wait_ms(POLICY, unsure, w, None, None, 0.9, 0.3, 0.7) == w.speak  # the short wait off
+
+
+def test_voice_fast_sweep_chooses_the_lowest_safe_threshold():
+    from duplex.eval.eot import choose_voice_fast, voice_fast_sweep
+
+    unsure, listen = (0.25, 0.05, 0.70), (0.9, 0.05, 0.05)
+    # 10 complete turns the head is unsure of, the voice cue 0.55..1.0; 10 cuts: 8 the head knows go on,
+    # 2 it calls complete, unsure, with the voice at 0.6
+    complete = [{"label": SPEAK, "probs": unsure, "p_voice": 0.55 + 0.05 * i} for i in range(10)]
+    cut = [{"label": LISTEN, "probs": listen, "p_voice": 0.3}] * 8 + [
+        {"label": LISTEN, "probs": unsure, "p_voice": 0.6}
+    ] * 2
+    curve = voice_fast_sweep(complete + cut, POLICY, Waits(), 0.9, None, None, grid=(0.5, 0.65, 0.9))
+    off, at50, at65, at90 = curve
+    assert off["fast_share"] == 0 and off["hesitation_takeover"] == 0
+    assert at50["fast_share"] == 1.0 and math.isclose(at50["hesitation_takeover"], 0.2)  # the two cuts
+    assert math.isclose(at65["fast_share"], 0.8) and at65["hesitation_takeover"] == 0
+    assert at65["voice_precision"] == 1.0 and math.isclose(at50["voice_precision"], 10 / 12)
+    assert choose_voice_fast(curve, max_hesitation=0.05, min_precision=0.9) == 0.65
+    assert choose_voice_fast(curve, max_hesitation=0.25, min_precision=0.8) == 0.5
+    assert choose_voice_fast(curve[:1], max_hesitation=0.05, min_precision=0.9) is None
+
+
 class _LengthHead:
     """A turn head that calls a transcript complete by its length: P(listen) = 1 / words."""
 
