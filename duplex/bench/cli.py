@@ -43,6 +43,13 @@ def add_case_arguments(b: argparse.ArgumentParser) -> None:
         help="N sentences with a 1.0-1.5 s mid-sentence pause: how often the service takes the turn too early",
     )
     b.add_argument(
+        "--pause-audio",
+        choices=("whole", "alone"),
+        default="whole",
+        help="a pause case's parts cut from its whole sentence's audio (as a speaker who stops mid-flow; "
+        "default) or each spoken alone (the first part then ends like a finished sentence)",
+    )
+    b.add_argument(
         "--memory",
         type=int,
         default=0,
@@ -56,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
     """`duplex bench`: see the module docstring."""
     if getattr(args, "soak", None) or getattr(args, "sessions", None):
         return _bench_load(args)
-    cases = {k: int(getattr(args, k, 0) or 0) for k in ("facts", "pauses", "memory")}
+    cases: dict[str, Any] = {k: int(getattr(args, k, 0) or 0) for k in ("facts", "pauses", "memory")}
     voice = str(getattr(args, "voice", None) or "hibari")
     seed = int(getattr(args, "seed", 0) or 0)
     transports = _transports(getattr(args, "transport", None))
@@ -73,6 +80,7 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
     counts = [args.turns, args.barge_ins, *cases.values()]
+    cases["cut_audio"] = str(getattr(args, "pause_audio", None) or "whole")
     if not transports and (min(counts) < 0 or sum(counts) == 0):
         print(
             "duplex bench: --turns, --barge-ins, --facts, --pauses and --memory must be >= 0 and not all 0",
@@ -471,7 +479,7 @@ def _compare_sessions(
     options: dict[str, Any],
     seed: int,
     voice: str,
-    cases: dict[str, int],
+    cases: dict[str, Any],
     title: str,
     variants: tuple[tuple[str, dict[str, Any]], ...],
 ) -> int:
@@ -528,7 +536,7 @@ def _compare_tts(
     options: dict[str, Any],
     seed: int,
     voice: str,
-    cases: dict[str, int],
+    cases: dict[str, Any],
 ) -> int:
     """--compare-tts PROFILE: the same conversation spoken by the served profile's voice, then by PROFILE's
     voice on the same models (only the TTS stage swapped), each on its own in-process server; one results

@@ -183,6 +183,10 @@ class HibariSynth:
             )
         return self._cache[text]
 
+    def pair(self, whole: str, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+        """`whole` and its first words `prefix`, each spoken on its own (hibari speaks a text one way)."""
+        return self(whole), self(prefix)
+
 
 class HeldoutSynth:
     """Text -> float32 speech at 16 kHz in the voices the project never trained on (`--voice heldout`):
@@ -212,14 +216,41 @@ class HeldoutSynth:
 
     def __call__(self, text: str) -> np.ndarray:
         if text not in self._cache:
-            key = zlib.crc32(text.encode())
-            speaker = self.speakers[key % len(self.speakers)]
-            rng = np.random.default_rng([self.seed, key])
-            self._cache[text] = join_sentences(
-                text, lambda s: self._synth.render(s, speaker, rng).audio, self.pause_s
-            )
-            self.voice_of[text] = speaker.name
+            self._cache[text] = self._render(text, text)
         return self._cache[text]
+
+    def _render(self, text: str, voice_text: str) -> np.ndarray:
+        """`text` in the voice, rate and pitch `voice_text` gets."""
+        key = zlib.crc32(voice_text.encode())
+        speaker = self.speakers[key % len(self.speakers)]
+        rng = np.random.default_rng([self.seed, key])
+        if text == voice_text:
+            self.voice_of[text] = speaker.name
+        return join_sentences(text, lambda s: self._synth.render(s, speaker, rng).audio, self.pause_s)
+
+    def pair(self, whole: str, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+        """`whole`, and its first words `prefix` in the same voice with the same draws (rate, pitch)."""
+        return self(whole), self._render(prefix, whole)
+
+
+def pause_speech(synth: Synth, first: str, rest: str) -> tuple[np.ndarray, np.ndarray]:
+    """A mid-sentence pause's two parts as a speaker who stops mid-flow says them: the whole sentence
+    spoken once and cut where `first`'s words end in it (`asr.training.whole_cut.cut_whole`, the cut
+    `duplex eval eot --cut-audio whole` makes), so the first part does not end like a finished
+    sentence. A synth without `pair` (one voice per text, tests' fakes) speaks the parts alone."""
+    pair = getattr(synth, "pair", None)
+    if pair is None:
+        return trim_speech(synth(first)), trim_speech(synth(rest))
+    from asr.training.whole_cut import cut_whole
+
+    whole, alone = pair(f"{first} {rest}", first)
+    whole, alone = trim_speech(np.asarray(whole, np.float32)), trim_speech(np.asarray(alone, np.float32))
+    head = cut_whole(whole, alone)
+    tail = trim_speech(whole[len(head) :])
+    head = trim_speech(head)
+    if len(head) == 0 or len(tail) == 0:  # the cut fell at an end: speak the parts alone
+        return trim_speech(synth(first)), trim_speech(synth(rest))
+    return head, tail
 
 
 VOICES = ("hibari", "heldout")

@@ -80,6 +80,7 @@ from duplex.bench.common import (
     count_leaks,
     fetch_stats,
     load_facts,
+    pause_speech,
     percentiles,
     real_time_factors,
     trim_speech,
@@ -342,6 +343,7 @@ async def run_session(
     lead_silence_s: float = 1.0,
     session_options: dict[str, Any] | None = None,
     progress: Progress | None = print,
+    pause_audio: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> SessionRun:
     """Connect, start a session and say `plan` like a microphone; a coroutine that several callers
     can run at once against one server (`duplex.bench.load`). Cancelling it ends the session and
@@ -390,7 +392,8 @@ async def run_session(
             for k, fact in enumerate(plan.facts):
                 await conv.fact(k, len(plan.facts), fact, speech[fact.q], plan.vocabulary)
             for k, (head, rest, wait_s) in enumerate(plan.pauses):
-                await conv.pause(k, len(plan.pauses), head, speech[head], rest, speech[rest], wait_s)
+                first, second = (pause_audio or {}).get((head, rest), (speech[head], speech[rest]))
+                await conv.pause(k, len(plan.pauses), head, first, rest, second, wait_s)
             for k, case in enumerate(plan.memory):
                 await conv.remember(k, len(plan.memory), case, speech[case.statement], speech[case.question])
             for k, (prompt, intr, wait_s) in enumerate(plan.barge_ins):
@@ -447,12 +450,15 @@ async def run_bench(
     pause_s: tuple[float, float] = (1.0, 1.5),
     memory_cases: Sequence[MemoryCase] = ALL_MEMORY_CASES,
     voice: str | None = None,
+    cut_audio: str = "whole",
 ) -> dict[str, Any]:
     """Run `turns` question turns, `facts` factual questions, `pauses` mid-sentence pauses, `memory`
     two-turn memory cases, then `barge_ins` barge-in trials, over one session at `url`.
 
     `synth(text)` returns float32 speech at 16 kHz (default: hibari); its output is trimmed of
-    leading/trailing silence and cached in memory before the connection opens. Returns the result
+    leading/trailing silence and cached in memory before the connection opens. A pause case's two parts
+    are cut from its whole sentence's audio (`cut_audio="whole"`, `common.pause_speech`) or spoken
+    alone (`"alone"`: the first part then ends like a finished sentence). Returns the result
     dict that is also written to `out_dir/bench.json` (with `bench.png`) unless `out_dir` is None.
     Raises BenchError when the server cannot be reached.
     """
@@ -480,6 +486,11 @@ async def run_bench(
         say("loading hibari for the prompts ...")
         synth = HibariSynth()
     speech = synthesise(plan.texts(), synth, say)
+    if cut_audio not in ("whole", "alone"):
+        raise BenchError(f"cut_audio must be 'whole' or 'alone', not {cut_audio!r}")
+    pause_audio = (
+        {(h, r): pause_speech(synth, h, r) for h, r, _ in plan.pauses} if cut_audio == "whole" else None
+    )
 
     before = await asyncio.to_thread(fetch_stats, url)
     started_at = time.time()
@@ -491,6 +502,7 @@ async def run_bench(
         lead_silence_s=lead_silence_s,
         session_options=session_options,
         progress=progress,
+        pause_audio=pause_audio,
     )
     if run.lost is not None:
         raise BenchError(f"lost the connection to {url} during the run: {run.lost}")
@@ -511,6 +523,7 @@ async def run_bench(
             "pauses": pauses,
             "memory": memory,
             "pause_s": list(pause_s),
+            "cut_audio": cut_audio,
             "voice": voice,
             "voices": dict(getattr(synth, "voice_of", {})),
             "sample_rate": SR,

@@ -402,3 +402,39 @@ def test_compare_tts_needs_serve(capsys) -> None:
 
     assert duplex_main(["bench", "--compare-tts", "cpu-flow"]) == 2
     assert "--compare-tts needs --serve" in capsys.readouterr().err
+
+
+class _PairSynth:
+    """tone_synth with `pair`: the whole sentence and its first words, one voice."""
+
+    def __call__(self, text: str) -> np.ndarray:
+        return tone_synth(text)
+
+    def pair(self, whole: str, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+        return tone_synth(whole), tone_synth(prefix)
+
+
+def test_a_pause_case_is_cut_from_its_whole_sentence() -> None:
+    """The first part of a pause case is the whole sentence's audio up to where its words end (a speaker
+    who stops mid-flow), the rest is what follows; a synth without `pair` speaks the parts alone."""
+    from duplex.bench.common import SR, pause_speech, trim_speech
+
+    first, rest = PAUSE[0]
+    head, tail = pause_speech(_PairSynth(), first, rest)
+    whole = trim_speech(tone_synth(f"{first} {rest}"))
+    alone = trim_speech(tone_synth(first))
+    assert abs(len(head) - len(alone)) <= 0.05 * SR  # cut where the first words end
+    assert np.array_equal(head, whole[: len(head)])  # ... out of the whole sentence's own audio
+    assert 0 < len(tail) and len(head) + len(tail) <= len(whole)
+    assert np.array_equal(tail, whole[len(whole) - len(tail) :])
+    plain_head, plain_tail = pause_speech(tone_synth, first, rest)
+    assert np.array_equal(plain_head, alone) and np.array_equal(plain_tail, trim_speech(tone_synth(rest)))
+
+
+def test_pause_audio_option_defaults_to_whole_sentences() -> None:
+    from duplex.bench.cli import add_case_arguments
+
+    p = argparse.ArgumentParser()
+    add_case_arguments(p)
+    assert p.parse_args([]).pause_audio == "whole"
+    assert p.parse_args(["--pause-audio", "alone"]).pause_audio == "alone"
