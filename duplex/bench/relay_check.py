@@ -1,0 +1,143 @@
+"""How the relay's draft is checked, measured in the dialogue engine: relay off, the learned verifier,
+and the slow model's exact check, on the same held-out factual questions (as text).
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m duplex.bench.relay_check --profile cpu --facts 40 --out bench-out/relay
+
+For each question and each way: a listen step on the question (as the user's words arrive, with the
+drafter's pre-close), then the answer's first step until the TTS's first phrase (3 words): its time is
+what the answer's onset waits on in the engine; then the rest of the answer, scored by the question's
+keywords. A draft-attributable wrong fact is a question the relay answers wrong and relay-off right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+#: the ways a first answer step can go: session options on `RespondStep`
+MODES: dict[str, dict[str, Any]] = {
+    "off": {"relay": False},
+    "verifier": {"relay": True, "relay_check": "verifier"},
+    "exact": {"relay": True, "relay_check": "exact"},
+}
+
+
+def answer(stage: Any, question: str, mode: dict[str, Any]) -> dict[str, Any]:
+    """One answer to `question` as the live service gives it; the first phrase's time in ms."""
+    from duplex.base.messages import ListenStep, RespondStep
+
+    opts = stage.slow_options
+    state = stage.init_state()
+    stage.step(state, ListenStep([], question, preclose=True))
+    msgs = [{"role": "user", "content": question}]
+    t0 = time.perf_counter()
+    out, state = stage.step(state, RespondStep(msgs, opts.first_step_tokens, phrase_words=3, **mode))
+    first_ms = 1000 * (time.perf_counter() - t0)
+    relay = out.relay
+    text = out.text
+    while not out.done:
+        out, state = stage.step(state, RespondStep(None, opts.step_tokens))
+        text += out.text
+    return {
+        "first_ms": round(first_ms, 1),
+        "answer": text.strip(),
+        "draft": relay.draft if relay is not None else None,
+        "kept": relay.prefix if relay is not None else None,
+    }
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def summarise(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per way: first phrase P50/P90, facts right, and wrong answers where relay-off was right."""
+    out: dict[str, Any] = {}
+    for name, rs in rows.items():
+        times = [r["first_ms"] for r in rs]
+        out[name] = {
+            "n": len(rs),
+            "first_p50_ms": statistics.median(times),
+            "first_p90_ms": _pct(times, 0.9),
+            "correct": sum(r["ok"] for r in rs),
+            "wrong_where_off_right": (
+                [r["q"] for r, o in zip(rs, rows["off"], strict=True) if o["ok"] and not r["ok"]]
+                if "off" in rows and name != "off"
+                else []
+            ),
+        }
+    return out
+
+
+def table(summary: dict[str, Any]) -> str:
+    lines = [f"{'way':<10}{'first P50':>10}{'P90':>8}{'right':>9}  wrong where relay-off was right"]
+    for name, s in summary.items():
+        lines.append(
+            f"{name:<10}{s['first_p50_ms']:>8.0f}ms{s['first_p90_ms']:>6.0f}ms{s['correct']:>5}/{s['n']:<3}  "
+            + ("; ".join(s["wrong_where_off_right"]) or "-")
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m duplex.bench.relay_check", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--profile", default="cpu")
+    ap.add_argument(
+        "--facts", type=int, default=40, help="the first N questions of data/dialogue/facts_eval.jsonl"
+    )
+    ap.add_argument("--modes", default=",".join(MODES), help=f"a comma list of {', '.join(MODES)}")
+    ap.add_argument("--out", default="bench-out/relay-check")
+    args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"unknown way(s) {', '.join(unknown)}: one of {', '.join(MODES)}")
+
+    import torch
+
+    from dialogue.engine import load_dialogue_stage
+    from duplex.base.config import load_profile
+    from duplex.bench.common import load_facts
+    from duplex.bench.conversation import keywords_match
+
+    torch.set_num_threads(1)
+    profile = load_profile(args.profile)
+    drafter = profile.components.get("drafter")
+    if drafter is None:
+        ap.error(f"profile {profile.name!r} has no drafter: no relay to check")
+    stage = load_dialogue_stage(profile.component("llm"), drafter, progress=True)
+    facts = load_facts()[: args.facts]
+    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    for i, fact in enumerate(facts):
+        for m in modes:
+            r = answer(stage, fact.q, MODES[m])
+            rows[m].append({"q": fact.q, "ok": keywords_match(r["answer"], fact.any), **r})
+        print(
+            f"[{i + 1}/{len(facts)}] {fact.q} | "
+            + " | ".join(
+                f"{m} {rows[m][-1]['first_ms']:.0f} ms {rows[m][-1]['answer'][:40]!r}" for m in modes
+            ),
+            flush=True,
+        )
+    summary = summarise(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"profile": profile.name, "facts": len(facts), "summary": summary, "rows": rows}
+    (out / "relay_check.json").write_text(json.dumps(doc, indent=1))
+    text = table(summary)
+    (out / "relay_check.txt").write_text(f"profile {profile.name}, {len(facts)} facts as text\n{text}\n")
+    print(text)
+    print(f"wrote {out / 'relay_check.json'} and {out / 'relay_check.txt'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
