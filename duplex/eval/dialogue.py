@@ -131,10 +131,17 @@ def eval_turns_speech(
     seed: int,
     progress: bool,
     take_thr: float | None = None,
+    cut_audio: str = "alone",
 ) -> dict[str, Any]:
-    """Speak the words with hibari, transcribe them with the profile's ASR, then listen."""
+    """Speak the words with hibari, transcribe them with the profile's ASR, then listen. `cut_audio="whole"`:
+    a mid-sentence cut is hibari's whole sentence cut where the cut's words end (`whole_cut.cut_whole`, as
+    `duplex eval eot --cut-audio whole`), then 0.2 s of silence, so it does not end like a finished
+    sentence; "alone" speaks the cut's words as they are."""
+    if cut_audio not in ("alone", "whole"):
+        raise ValueError(f"cut_audio must be 'alone' or 'whole', not {cut_audio!r}")
     from tqdm.auto import tqdm
 
+    from asr.training.whole_cut import cut_whole, whole_sentence_for
     from codec.resample import resample
     from duplex.base.messages import AsrChunk, ListenStep
     from tts.hibari_tts import SAMPLE_RATE, HibariSynth
@@ -151,8 +158,16 @@ def eval_turns_speech(
     synth = HibariSynth(threads=1, seed=seed)
     pairs: list[tuple[int, int]] = []
     wrong: list[dict[str, Any]] = []
+
+    def speak(text: str) -> np.ndarray:
+        return resample(synth.synthesize(text), SAMPLE_RATE, 16000).astype(np.float32)
+
     for ex in tqdm(chosen, desc="turn heads (speech)", disable=not progress):
-        audio = resample(synth.synthesize(ex["text"]), SAMPLE_RATE, 16000).astype(np.float32)
+        whole = whole_sentence_for(ex, examples) if cut_audio == "whole" and int(ex["label"]) == 0 else None
+        if whole is None:
+            audio = speak(ex["text"])
+        else:
+            audio = np.concatenate([cut_whole(speak(whole), speak(ex["text"])), np.zeros(3200, np.float32)])
         out, _ = asr.step(asr.init_state(), AsrChunk(samples=audio, transcribe=True, final=True))
         heard = str(getattr(out, "text", "") or "")
         res, _ = stage.step(
@@ -783,6 +798,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--profile", default=None, help="models.yaml profile (default: the file's default)")
     ap.add_argument("--relay-prompts", type=int, default=40, help="prompts for relay vs slow-only (0 skips)")
     ap.add_argument("--speech", type=int, default=40, help="held-out turns spoken and transcribed (0 skips)")
+    ap.add_argument(
+        "--cut-audio",
+        choices=("alone", "whole"),
+        default="alone",
+        help="speak a cut turn alone (ends like a finished sentence) or cut it from its whole sentence's audio",
+    )
     ap.add_argument("--text", type=int, default=0, help="limit the held-out text examples (0 = all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="eval-out", help="folder for dialogue.json and dialogue.png")
@@ -966,7 +987,9 @@ def run(args: argparse.Namespace) -> int:
             args.seed,
             progress,
             take_thr,
+            getattr(args, "cut_audio", "alone"),
         )
+        results["turn_speech"]["cut_audio"] = getattr(args, "cut_audio", "alone")
         results["turn_speech"]["seconds"] = round(time.perf_counter() - t, 1)
     if args.relay_prompts:
         tts = load_tts_stage(profile.component("tts"))

@@ -118,3 +118,49 @@ def test_resummarise_rejudges_stored_runs(tmp_path, monkeypatch):
     assert res["dropped_prompts"] == 1 and r["n"] == 10
     assert [row["commit"]["veto"] for row in r["rows"]] == ["repeat"] + [None] * 9
     assert r["committed_fraction"] == 0.9 and set(r["operating_points"]) >= {"balanced", "latency"}
+
+
+class _Recording:
+    """An ASR that hears nothing but keeps the audio it was given; a turn head that always listens."""
+
+    def __init__(self) -> None:
+        self.audio: list[object] = []
+
+    def init_state(self) -> None:
+        return None
+
+    def step(self, state: object, chunk: object) -> tuple[object, None]:
+        from types import SimpleNamespace
+
+        if hasattr(chunk, "samples"):
+            self.audio.append(chunk.samples)
+            return SimpleNamespace(text=""), None
+        return SimpleNamespace(probs=(0.9, 0.05, 0.05)), None
+
+
+@pytest.mark.integration
+def test_speech_cuts_from_whole_sentences_are_shorter_than_the_sentence():
+    """`--cut-audio whole`: a cut is hibari's whole sentence up to where the cut's words end, plus 0.2 s of
+    silence; a complete turn is spoken as it is."""
+    import numpy as np
+
+    from duplex.eval.dialogue import eval_turns_speech
+
+    examples = [
+        {"text": "What is the capital of", "label": 0, "group": "g"},
+        {"text": "What is the capital of France?", "label": 2, "group": "g"},
+    ]
+    lengths = {}
+    for mode in ("alone", "whole"):
+        rec = _Recording()
+        eval_turns_speech(rec, rec, examples, 2, 0.5, 0.5, 0, False, None, mode)
+        lengths[mode] = [len(a) for a in rec.audio]  # type: ignore[arg-type]
+        if mode == "whole":
+            cut = rec.audio[0]  # the cuts come first (label 0), then the complete turns
+            assert float(np.abs(cut[-3200:]).max()) == 0.0  # the pause after the cut
+    # the complete turn is the same both ways; the cut is a piece of the whole sentence
+    assert lengths["alone"][1] == lengths["whole"][1]
+    assert lengths["whole"][0] < lengths["whole"][1] + 3200
+    assert lengths["whole"][0] != lengths["alone"][0]  # not the cut's words spoken on their own
+    with pytest.raises(ValueError, match="cut_audio"):
+        eval_turns_speech(_Recording(), _Recording(), examples, 2, 0.5, 0.5, 0, False, None, "half")
