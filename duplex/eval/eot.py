@@ -41,7 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -460,16 +460,15 @@ def report(results: dict[str, Any]) -> str:
         lines.append(
             f"  acoustic hold (speech; a turn judged over whose voice sounds unfinished waits {hold} ms):"
         )
-        for p in acoustic:
-            thr = p["acoustic_hold"]
-            label = "off" if thr is None else f"{thr:.2f}"
-            mark = "  <- chosen" if thr is not None and thr == results.get("chosen_acoustic") else ""
-            lines.append(
-                f"    {label:>6}: wait P50 {p['wait_p50_ms']:4.0f} ms P90 {p['wait_p90_ms']:5.0f} ms mean "
-                f"{p['wait_mean_ms']:4.0f} ms, complete held {100 * p['complete_held']:4.1f} %, takeover at "
-                f"hesitations {100 * p['hesitation_takeover']:4.1f} %, at 1-1.5 s pauses "
-                f"{100 * p['pause_takeover']:4.1f} %{mark}"
-            )
+        lines += _sweep_lines(
+            acoustic,
+            "acoustic_hold",
+            results.get("chosen_acoustic"),
+            lambda p: (
+                f"complete held {100 * p['complete_held']:4.1f} %, takeover at hesitations "
+                f"{100 * p['hesitation_takeover']:4.1f} %, at 1-1.5 s pauses {100 * p['pause_takeover']:4.1f} %"
+            ),
+        )
         lines.append(
             f"  chosen acoustic_hold threshold: {results.get('chosen_acoustic')} (least pause takeover holding "
             f"<= {100 * results.get('max_held_complete', 0):.0f} % of complete turns)"
@@ -479,22 +478,38 @@ def report(results: dict[str, Any]) -> str:
         lines.append(
             "  voice-confirmed short wait (speech; a SPEAK below fast_take whose voice sounds finished):"
         )
-        for p in voice:
-            thr = p["voice_fast"]
-            label = "off" if thr is None else f"{thr:.2f}"
-            mark = "  <- chosen" if thr is not None and thr == results.get("chosen_voice_fast") else ""
-            lines.append(
-                f"    {label:>6}: wait P50 {p['wait_p50_ms']:4.0f} ms P90 {p['wait_p90_ms']:5.0f} ms mean "
-                f"{p['wait_mean_ms']:4.0f} ms, fast {100 * p['fast_share']:5.1f} %, takeover at hesitations "
+        lines += _sweep_lines(
+            voice,
+            "voice_fast",
+            results.get("chosen_voice_fast"),
+            lambda p: (
+                f"fast {100 * p['fast_share']:5.1f} %, takeover at hesitations "
                 f"{100 * p['hesitation_takeover']:4.1f} %, at 1-1.5 s pauses {100 * p['pause_takeover']:4.1f} %, "
-                f"cue precision {_pct(p['voice_precision'])}{mark}"
-            )
+                f"cue precision {_pct(p['voice_precision'])}"
+            ),
+        )
         lines.append(
             f"  chosen voice_fast threshold: {results.get('chosen_voice_fast')} (lowest within the speech "
             f"hesitation limit, no more pause takeover, cue precision >= "
             f"{100 * results.get('min_voice_precision', 0):.0f} %)"
         )
     return "\n".join(lines)
+
+
+def _sweep_lines(
+    curve: list[dict[str, Any]], key: str, chosen: float | None, rest: Callable[[dict[str, Any]], str]
+) -> list[str]:
+    """One report line per point of an acoustic sweep: its threshold (or off), the wait, then `rest`."""
+    lines = []
+    for p in curve:
+        thr = p[key]
+        label = "off" if thr is None else f"{thr:.2f}"
+        mark = "  <- chosen" if thr is not None and thr == chosen else ""
+        lines.append(
+            f"    {label:>6}: wait P50 {p['wait_p50_ms']:4.0f} ms P90 {p['wait_p90_ms']:5.0f} ms mean "
+            f"{p['wait_mean_ms']:4.0f} ms, {rest(p)}{mark}"
+        )
+    return lines
 
 
 def _pct(x: float | None) -> str:
