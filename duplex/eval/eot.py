@@ -109,6 +109,18 @@ def _taken(waits_ms: np.ndarray, pause_s: tuple[float, float]) -> float:
     return float(frac.mean()) if len(waits_ms) else float("nan")
 
 
+def _wait_stats(wc: np.ndarray, wx: np.ndarray, waits: Waits) -> dict[str, float]:
+    """The waits on complete turns (`wc`, ms) and what the waits after cuts (`wx`) take over."""
+    return {
+        "wait_p50_ms": float(np.percentile(wc, 50)) if len(wc) else float("nan"),
+        "wait_p90_ms": float(np.percentile(wc, 90)) if len(wc) else float("nan"),
+        "wait_mean_ms": float(wc.mean()) if len(wc) else float("nan"),
+        "fast_share": float((wc == waits.fast).mean()) if len(wc) else float("nan"),
+        "hesitation_takeover": _taken(wx, HESITATION_S),
+        "pause_takeover": _taken(wx, PAUSE_S),
+    }
+
+
 def sweep(
     rows: list[dict[str, Any]], policy: TurnPolicy, waits: Waits, grid: Sequence[float] = GRID
 ) -> list[dict[str, Any]]:
@@ -124,12 +136,7 @@ def sweep(
                 "fast_take": thr,
                 "n_complete": len(wc),
                 "n_cut": len(wx),
-                "wait_p50_ms": float(np.percentile(wc, 50)) if len(wc) else float("nan"),
-                "wait_p90_ms": float(np.percentile(wc, 90)) if len(wc) else float("nan"),
-                "wait_mean_ms": float(wc.mean()) if len(wc) else float("nan"),
-                "fast_share": float((wc == waits.fast).mean()) if len(wc) else float("nan"),
-                "hesitation_takeover": _taken(wx, HESITATION_S),
-                "pause_takeover": _taken(wx, PAUSE_S),
+                **_wait_stats(wc, wx, waits),
             }
         )
     return out
@@ -269,12 +276,7 @@ def voice_fast_sweep(
         out.append(
             {
                 "voice_fast": thr,
-                "wait_p50_ms": float(np.percentile(wc, 50)) if len(wc) else float("nan"),
-                "wait_p90_ms": float(np.percentile(wc, 90)) if len(wc) else float("nan"),
-                "wait_mean_ms": float(wc.mean()) if len(wc) else float("nan"),
-                "fast_share": float((wc == waits.fast).mean()) if len(wc) else float("nan"),
-                "hesitation_takeover": _taken(wx, HESITATION_S),
-                "pause_takeover": _taken(wx, PAUSE_S),
+                **_wait_stats(wc, wx, waits),
                 "voice_precision": called[0] / sum(called) if sum(called) else None,
             }
         )
