@@ -89,11 +89,20 @@ def test_cpu_large_profile_names_the_1_5b_parts() -> None:
     assert w.size == 1_117_320_768 and w.version == "0.2.0" and w.install == "make large-llm"
     assert w.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
     assert lw.cache_dir_for(w).name == "qwen2.5-coder-1.5b-instruct-cc324af070c2"
-    # everything else as in cpu: the slow model's options, the drafter and relay, the other stages
+    # everything else as in cpu: the slow model's options, the drafter and relay, the other stages; but the
+    # 1.5B checks the drafter's words exactly (the verifier let the 135M drafter's slips through)
     assert large.component("llm").options == cpu.component("llm").options
     assert large.component("llm").backend == cpu.component("llm").backend
-    for name in ("vad", "asr", "drafter", "tts"):
+    for name in ("vad", "asr", "tts"):
         assert large.component(name) == cpu.component(name)
+    drafter, cpu_drafter = large.component("drafter"), cpu.component("drafter")
+    assert drafter.options == {**cpu_drafter.options, "relay_check": "exact"}
+    assert "relay_check" not in cpu_drafter.options
+    assert (drafter.backend, drafter.weights, drafter.budget_ms) == (
+        cpu_drafter.backend,
+        cpu_drafter.weights,
+        cpu_drafter.budget_ms,
+    )
     assert large.session == cpu.session
     assert LlmWeights.from_config(cpu.component("llm")).install is None
 
