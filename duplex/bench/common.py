@@ -239,18 +239,17 @@ def pause_speech(synth: Synth, first: str, rest: str) -> tuple[np.ndarray, np.nd
     `duplex eval eot --cut-audio whole` makes), so the first part does not end like a finished
     sentence. A synth without `pair` (one voice per text, tests' fakes) speaks the parts alone."""
     pair = getattr(synth, "pair", None)
-    if pair is None:
-        return trim_speech(synth(first)), trim_speech(synth(rest))
-    from asr.training.whole_cut import cut_whole
+    if pair is not None:
+        from asr.training.whole_cut import cut_whole
 
-    whole, alone = pair(f"{first} {rest}", first)
-    whole, alone = trim_speech(np.asarray(whole, np.float32)), trim_speech(np.asarray(alone, np.float32))
-    head = cut_whole(whole, alone)
-    tail = trim_speech(whole[len(head) :])
-    head = trim_speech(head)
-    if len(head) == 0 or len(tail) == 0:  # the cut fell at an end: speak the parts alone
-        return trim_speech(synth(first)), trim_speech(synth(rest))
-    return head, tail
+        whole, alone = (trim_speech(np.asarray(a, np.float32)) for a in pair(f"{first} {rest}", first))
+        head = cut_whole(whole, alone)
+        tail = trim_speech(whole[len(head) :])
+        head = trim_speech(head)
+        if len(head) and len(tail):
+            return head, tail
+        # the cut fell at an end: speak the parts alone
+    return trim_speech(synth(first)), trim_speech(synth(rest))
 
 
 VOICES = ("hibari", "heldout")

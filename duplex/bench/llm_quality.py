@@ -74,17 +74,26 @@ def _load() -> list[float]:
 def answer(stage: Any, history: list[dict[str, str]], text: str) -> dict[str, Any]:
     """One slow-only answer as the live service gives it: the user's words prefilled by a listen
     step, then respond steps (the first until a first phrase, then `step_tokens` each) to the end."""
+    return answer_with_relay(stage, history, text, relay=False)[0]
+
+
+def answer_with_relay(
+    stage: Any, history: list[dict[str, str]], text: str, *, preclose: bool = False, **respond: Any
+) -> tuple[dict[str, Any], Any]:
+    """`answer` with the first `RespondStep`'s options (`relay`, `relay_check`) and the listen step's
+    `preclose` chosen; also the first step's `RelayInfo` (None without a draft)."""
     from duplex.base.messages import ListenStep, RespondStep
 
     state = stage.init_state()
-    stage.step(state, ListenStep(history, text, preclose=False))
+    stage.step(state, ListenStep(history, text, preclose=preclose))
     opts = stage.slow_options
     msgs = history + [{"role": "user", "content": text}]
     t0 = time.perf_counter()
     out, state = stage.step(
-        state, RespondStep(msgs, opts.first_step_tokens, False, phrase_words=FIRST_PHRASE_WORDS)
+        state, RespondStep(msgs, opts.first_step_tokens, phrase_words=FIRST_PHRASE_WORDS, **respond)
     )
     first = time.perf_counter() - t0
+    relay = out.relay
     text_out, tokens = out.text, out.n_tokens
     while not out.done:
         out, state = stage.step(state, RespondStep(None, opts.step_tokens))
@@ -95,7 +104,7 @@ def answer(stage: Any, history: list[dict[str, str]], text: str) -> dict[str, An
         "first_phrase_s": round(first, 4),
         "total_s": round(time.perf_counter() - t0, 4),
         "tokens": tokens,
-    }
+    }, relay
 
 
 def eval_facts(stage: Any, limit: int, progress: bool) -> dict[str, Any]:

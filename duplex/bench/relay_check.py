@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,24 +27,14 @@ MODES: dict[str, dict[str, Any]] = {
 
 
 def answer(stage: Any, question: str, mode: dict[str, Any]) -> dict[str, Any]:
-    """One answer to `question` as the live service gives it; the first phrase's time in ms."""
-    from duplex.base.messages import ListenStep, RespondStep
+    """One answer to `question` as the live service gives it (the drafter pre-closing the turn as the
+    words arrive); the first phrase's time in ms."""
+    from duplex.bench.llm_quality import answer_with_relay
 
-    opts = stage.slow_options
-    state = stage.init_state()
-    stage.step(state, ListenStep([], question, preclose=True))
-    msgs = [{"role": "user", "content": question}]
-    t0 = time.perf_counter()
-    out, state = stage.step(state, RespondStep(msgs, opts.first_step_tokens, phrase_words=3, **mode))
-    first_ms = 1000 * (time.perf_counter() - t0)
-    relay = out.relay
-    text = out.text
-    while not out.done:
-        out, state = stage.step(state, RespondStep(None, opts.step_tokens))
-        text += out.text
+    r, relay = answer_with_relay(stage, [], question, preclose=True, **mode)
     return {
-        "first_ms": round(first_ms, 1),
-        "answer": text.strip(),
+        "first_ms": round(1000 * r["first_phrase_s"], 1),
+        "answer": r["answer"],
         "draft": relay.draft if relay is not None else None,
         "kept": relay.prefix if relay is not None else None,
     }

@@ -29,17 +29,25 @@ log = logging.getLogger("duplex.runtime.openmp")
 OMP_PAUSE_SOFT = 1
 
 
-def loaded_libgomp() -> str | None:
-    """Path of the GNU OpenMP runtime this process has loaded (torch's own copy), if any."""
+def _loaded_libraries(name_part: str) -> list[str]:
+    """Paths of the shared libraries this process has mapped whose file name holds `name_part`
+    (case-insensitive), in the order of /proc/self/maps."""
+    found: list[str] = []
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 path = line.rstrip("\n").split(maxsplit=5)[-1]
-                if path.startswith("/") and "libgomp" in path.rsplit("/", 1)[-1]:
-                    return path
+                name = path.rsplit("/", 1)[-1].lower()
+                if path.startswith("/") and name_part in name and path not in found:
+                    found.append(path)
     except OSError:
         pass
-    return None
+    return found
+
+
+def loaded_libgomp() -> str | None:
+    """Path of the GNU OpenMP runtime this process has loaded (torch's own copy), if any."""
+    return next(iter(_loaded_libraries("libgomp")), None)
 
 
 def release_idle_pools() -> bool:
@@ -68,20 +76,7 @@ _OPENBLAS_SETTERS = (
 
 def loaded_openblas() -> list[str]:
     """Paths of the OpenBLAS libraries this process has loaded (numpy's, scipy's)."""
-    found: list[str] = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rstrip("\n").split(maxsplit=5)[-1]
-                if (
-                    path.startswith("/")
-                    and "openblas" in path.rsplit("/", 1)[-1].lower()
-                    and path not in found
-                ):
-                    found.append(path)
-    except OSError:
-        pass
-    return found
+    return _loaded_libraries("openblas")
 
 
 def single_threaded_blas() -> int:
@@ -112,17 +107,22 @@ def loading_without_pools(import_torch: bool = True) -> Iterator[None]:
 
     `import_torch=False`: a process whose stages may not need torch (the dialogue engine in a process of its
     own) does not import it for this; if a stage imported it meanwhile, its idle pool is still freed."""
+    with _torch_without_pools(import_torch):
+        yield
+    single_threaded_blas()
+
+
+@contextlib.contextmanager
+def _torch_without_pools(import_torch: bool) -> Iterator[None]:
     if not import_torch and "torch" not in sys.modules:
         yield
         if "torch" in sys.modules:
             release_idle_pools()
-        single_threaded_blas()
         return
     try:
         import torch
     except ImportError:  # no torch stage in this process
         yield
-        single_threaded_blas()
         return
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -131,7 +131,6 @@ def loading_without_pools(import_torch: bool = True) -> Iterator[None]:
     finally:
         torch.set_num_threads(before)
         freed = release_idle_pools()
-        single_threaded_blas()
         log.info(
             "openmp: models loaded at 1 thread, %d threads from now on (idle pool freed: %s)", before, freed
         )
