@@ -26,6 +26,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -54,6 +55,8 @@ __all__ = [
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 MARKER = ".duplex-complete.json"
 MARKER_FORMAT = 1
@@ -467,6 +470,12 @@ def load(
     w = LlmWeights.from_config(cfg)
     d = prepare(w, progress=progress)
     tdtype = _torch_dtype(dtype)
+    int8_file = None
+    if dtype == "int8-dynamic" and before_quantize is None:
+        int8_file = _int8_cache_file(w, d)
+        model = _load_int8_cache(int8_file, d)
+        if model is not None:
+            return model, AutoTokenizer.from_pretrained(str(d))
     try:
         tok = AutoTokenizer.from_pretrained(str(d))
         model = AutoModelForCausalLM.from_pretrained(
@@ -486,12 +495,47 @@ def load(
             model = model.to(tdtype)
     if dtype == "int8-dynamic":
         _own_unquantized(model)
-        model = quantize_int8_dynamic(model, tok)
+        model = quantize_int8_dynamic(model, tok, alpha=SMOOTH_ALPHA)
         gc.collect()  # the float Linear weights, and with them the checkpoint's memory map
+        if int8_file is not None:
+            from dialogue import int8_cache
+
+            try:
+                int8_cache.save(model, int8_file)
+            except OSError as exc:  # a full or read-only cache: the next start quantises again
+                log.warning("LLM weights %s: could not save the int8 cache %s (%s)", w.name, int8_file, exc)
     elif target.type != "cpu":
         # cast on the CPU first (above), so the GPU never holds the float32 copy
         model = model.to(target)
     return model, tok
+
+
+def _int8_cache_file(w: LlmWeights, d: Path) -> Path:
+    from dialogue import int8_cache
+
+    key = int8_cache.cache_key(
+        d,
+        alpha=SMOOTH_ALPHA,
+        calibration=CALIBRATION_TEXTS,
+        weight_only=_weight_only_linear_cls() is not None,
+    )
+    return cache_root() / "int8" / f"{w.name}-{key}.pt"
+
+
+def _load_int8_cache(path: Path, d: Path) -> PreTrainedModel | None:
+    """The int8 model from its cache file, or None (no file; a bad one is deleted, to be rebuilt)."""
+    if not path.is_file():
+        return None
+    from dialogue import int8_cache
+
+    try:
+        return int8_cache.load(path, d, _weight_only_linear_cls())
+    except Exception as exc:  # a damaged or stale file fails in many ways inside torch.load
+        log.warning(
+            "int8 cache %s could not be loaded (%s: %s); rebuilding it", path, type(exc).__name__, exc
+        )
+        path.unlink(missing_ok=True)
+        return None
 
 
 def _own_unquantized(model: PreTrainedModel) -> None:
@@ -523,6 +567,8 @@ CALIBRATION_TEXTS = (
     "Tell me about the history of the Roman empire in a few sentences.",
     "I need to fix a leaking tap in my kitchen. What tools do I need?",
 )
+#: SmoothQuant's migration strength (0: none, 1: all of the activations' range into the weights)
+SMOOTH_ALPHA = 0.7
 #: layer types whose RMSNorm is `weight * x`, so a per-channel scale folds into the norm weight
 _SMOOTHABLE = ("qwen2", "llama", "mistral")
 
@@ -586,6 +632,17 @@ def _weight_only_linear_cls() -> type | None:
             )
             self.register_buffer("scale", scale.to(torch.bfloat16))
             self.register_buffer("bias", None if lin.bias is None else lin.bias.detach().clone())
+
+        @classmethod
+        def empty(cls, in_features: int, out_features: int, bias: bool) -> Int8WeightOnlyLinear:
+            """Uninitialised, to load a saved state into (dialogue/int8_cache.py)."""
+            obj = cls.__new__(cls)
+            torch.nn.Module.__init__(obj)
+            obj.in_features, obj.out_features = in_features, out_features
+            obj.register_buffer("weight_int8", torch.empty(out_features, in_features, dtype=torch.int8))
+            obj.register_buffer("scale", torch.empty(out_features, dtype=torch.bfloat16))
+            obj.register_buffer("bias", torch.empty(out_features) if bias else None)
+            return obj
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
