@@ -119,6 +119,7 @@ class CleanExample:
     engine: str
     word_times: tuple[tuple[float, float], ...] | None
     phones: tuple[tuple[str, float, float], ...] | None
+    teacher: np.ndarray | None = None  # Moonshine's encoder frames of `audio` (distill.py), float16
 
 
 def make_clean(
@@ -170,9 +171,12 @@ class PoolStream(torch.utils.data.IterableDataset):
         workers: int = 1,
         engines: tuple[str, ...] | None = None,
         example_offset: int = 0,
+        teacher: bool = False,
     ) -> None:
         """`example_offset`: the stream's first example index, so a run that goes on from another run's
-        export hears examples that run never made (a pure function of (seed, index))."""
+        export hears examples that run never made (a pure function of (seed, index)). `teacher`: each
+        clean example also carries Moonshine's encoder features and each batch their distillation
+        targets (asr/training/distill.py); the audio and every other target are unchanged."""
         self.seed, self.batch_size, self.tokenizer_model = seed, batch_size, tokenizer_model
         self.example_offset = example_offset
         self._key = [example_offset] if example_offset else []  # offset 0: the original streams, unchanged
@@ -181,6 +185,7 @@ class PoolStream(torch.utils.data.IterableDataset):
         self.start_t = start_t - (start_batch - self.start_batch)
         self.schedule = schedule or Schedule()
         self.engines = engines
+        self.teacher = teacher
 
     def examples_made(self, batches: int) -> int:
         """An upper bound on the example indices (from 0, offset excluded) a stream has made after
@@ -215,6 +220,11 @@ class PoolStream(torch.utils.data.IterableDataset):
         synth, table = Synth(), SpeakerTable(training_speakers(self.engines))
         dictionary, conversational = dictionary_sentences(), conversational_sentences()
         per_pool = self.epochs * self.batches_per_epoch()
+        teacher = None
+        if self.teacher:
+            from asr.training.distill import MoonshineTeacher
+
+            teacher = MoonshineTeacher(threads=1)
         j = self.start_batch // self.workers
         n = self.shard_pool()
 
@@ -223,7 +233,10 @@ class PoolStream(torch.utils.data.IterableDataset):
             t_k = self.start_t + (k * per_pool * self.workers + w - self.start_batch)
             words = self.schedule.max_words(t_k)
             first = self.example_offset + (k * self.workers + w) * n
-            return make_clean(synth, table, dictionary, conversational, self.seed, first + q, words)
+            e = make_clean(synth, table, dictionary, conversational, self.seed, first + q, words)
+            if teacher is not None:
+                e.teacher = teacher.features(e.audio)
+            return e
 
         pool_k, pool, gen_s, order_key, batches = -1, [], 0.0, None, []  # gen_s: synthesis since last batch
         ahead: list[CleanExample] = []  # the next pool, made a slice per batch so no batch waits for it
@@ -270,10 +283,11 @@ def build_batch(examples: list[CleanExample], rng: np.random.Generator, strength
     from asr.training.data import augment_timed
     from asr.training.targets import alignment_targets, phone_targets
 
-    audios, texts, times, phones = [], [], [], []
+    audios, texts, times, phones, maps = [], [], [], [], []
     for e in examples:
         audio, offset, scale = augment_timed(e.audio, rng, strength)
         audios.append(audio)
+        maps.append((offset, scale))
         texts.append(e.text)
         times.append(
             None
@@ -295,6 +309,19 @@ def build_batch(examples: list[CleanExample], rng: np.random.Generator, strength
         targets[i, : len(t)] = torch.tensor(t, dtype=torch.long)
     frames = [encoder_frames(n) for n in lengths]
     pieces = [[sp.id_to_piece(x) for x in t] for t in ids]
+    extra = {}
+    if examples and all(e.teacher is not None for e in examples):
+        from asr.training.distill import student_targets
+
+        n = max(frames)
+        dim = examples[0].teacher.shape[1]  # type: ignore[union-attr]
+        teach = torch.zeros(len(examples), n, dim, dtype=torch.float16)
+        tmask = torch.zeros(len(examples), n, dtype=torch.bool)
+        for i, (e, (offset, scale)) in enumerate(zip(examples, maps, strict=True)):
+            tg, m = student_targets(e.teacher, offset, scale, frames[i], e.audio.size / SAMPLE_RATE)  # type: ignore[arg-type]
+            teach[i, : frames[i]] = torch.from_numpy(tg)
+            tmask[i, : frames[i]] = torch.from_numpy(m)
+        extra = {"teacher": teach, "teacher_mask": tmask}
     return {
         "audio": audio,
         "lengths": torch.tensor(lengths),
@@ -304,4 +331,5 @@ def build_batch(examples: list[CleanExample], rng: np.random.Generator, strength
         "phones": phone_targets(phones, frames),
         "texts": texts,
         "engines": [e.engine for e in examples],
+        **extra,
     }

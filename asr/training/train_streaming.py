@@ -301,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=int, default=5, help="recipe 2: checkpoints kept for averaging")
     ap.add_argument("--average", type=int, default=0, help="with --export: average the last N checkpoints")
     ap.add_argument("--fp16", action="store_true", help="with --export: store the weights in fp16")
+    ap.add_argument(
+        "--distill",
+        type=float,
+        default=0.0,
+        help="recipe 2: weight of the Moonshine-feature distillation loss (asr/training/distill.py; 0 = off)",
+    )
     ap.add_argument("--kill-after", type=int, default=6000, help="recipe 2: steps before the kill criterion")
     ap.add_argument(
         "--profile-steps", type=int, default=0, help="time N steps (data wait vs compute), then stop"
@@ -618,7 +624,22 @@ def train_pool(
         workers=max(workers, 1),
         engines=_DRY_ENGINES,
         example_offset=int(meta.get("example_offset", 0)),
+        teacher=args.distill > 0,
     )
+    distill_head = distill_opt = None
+    if args.distill > 0:
+        from asr.training.distill import DistillHead
+
+        distill_head = DistillHead(meta["d_model"]).to(device)
+        distill_opt = torch.optim.AdamW(
+            distill_head.parameters(), lr=args.peak_lr, betas=(0.9, 0.98), weight_decay=1e-3
+        )
+        if "distill_head" in ckpt:
+            distill_head.load_state_dict(ckpt["distill_head"])
+            distill_opt.load_state_dict(ckpt["distill_opt"])
+        else:
+            meta["distill_start"] = step
+        meta.setdefault("distill_by_restart", {})[str(step)] = args.distill
     data_batches = stream.start_batch
     loader = torch.utils.data.DataLoader(
         stream,
@@ -644,6 +665,11 @@ def train_pool(
             "step": step,
             "phone_head": phone_head.state_dict(),
             "phone_opt": phone_opt.state_dict(),
+            **(
+                {"distill_head": distill_head.state_dict(), "distill_opt": distill_opt.state_dict()}
+                if distill_head is not None and distill_opt is not None
+                else {}
+            ),
             "data_batches": data_batches,
             "rng": {
                 "torch": torch.get_rng_state(),
@@ -694,7 +720,11 @@ def train_pool(
         f"voices {','.join(engines)}",
         flush=True,
     )
-    log: dict[str, list[float]] = {"ctc": [], "align": [], "phone": [], "data": [], "compute": [], "gen": []}
+    log: dict[str, list[float]] = {
+        "ctc": [], "align": [], "phone": [], "distill": [], "data": [], "compute": [], "gen": []
+    }  # fmt: skip
+    extra_opts = [distill_opt] if distill_opt is not None else []
+    head_params = list(phone_head.parameters()) + (list(distill_head.parameters()) if distill_head else [])
     timed: list[tuple[float, float]] = []
     t_wait = time.perf_counter()
     verdict = None
@@ -706,8 +736,9 @@ def train_pool(
         lr = lr_schedule(t, args.peak_lr, args.rewarm, args.hold, args.total)
         if restart > start:  # resumed mid-recipe with a fresh optimiser
             lr *= min(1.0, max(step + 1 - restart, 1) / RESTART_WARMUP)
-        for group in opt.param_groups + phone_opt.param_groups:
-            group["lr"] = lr
+        for o in [opt, phone_opt, *extra_opts]:
+            for group in o.param_groups:
+                group["lr"] = lr
         spec_on = scale_spec_augment(spec_module, schedule.spec_scale(t), spec_base)
         if spec_on and hasattr(spec_module.spec_augment, "_rng"):  # NeMo's own random.Random: seed per step
             spec_module.spec_augment._rng.seed(meta["seed"] * 1_000_003 + step)
@@ -751,12 +782,25 @@ def train_pool(
             )
             loss = loss + schedule.phone_weight(t) * phone
             log["phone"].append(float(phone.detach()))
+        if distill_head is not None and "teacher" in batch:
+            from asr.training.distill import distill_loss, fit_frames
+
+            # like the phone head: a fresh head first learns on a detached encoder output
+            young = step - int(meta.get("distill_start", -(10**9))) < DISTILL_HEAD_WARMUP
+            pred = distill_head(encoded.detach() if young else encoded, el)
+            target = fit_frames(batch["teacher"], pred.shape[1]).to(device).float()
+            tmask = fit_frames(batch["teacher_mask"], pred.shape[1]).to(device)
+            dist = distill_loss(pred, target, tmask)
+            loss = loss + args.distill * dist
+            log["distill"].append(float(dist.detach()))
         opt.zero_grad(set_to_none=True)
-        phone_opt.zero_grad(set_to_none=True)
+        for o in [phone_opt, *extra_opts]:
+            o.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(phone_head.parameters()), 1.0)
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + head_params, 1.0)
         opt.step()
-        phone_opt.step()
+        for o in [phone_opt, *extra_opts]:
+            o.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         done = time.perf_counter()
@@ -772,6 +816,7 @@ def train_pool(
         if step % 20 == 0 or (args.profile_steps and len(timed) >= args.profile_steps):
             parts = [f"step {step} ctc {np.mean(log['ctc']):.3f}"]
             parts += [f"{k} {np.mean(log[k]):.2f}" for k in ("align", "phone") if log[k]]
+            parts += [f"distill {np.mean(log['distill']):.3f}"] if log["distill"] else []
             parts.append(
                 f"lr {lr:.2e} data {np.mean(log['data']):.2f} s compute {np.mean(log['compute']):.2f} s/step "
                 f"pool-gen {sum(log['gen']):.1f} s audio {meta['audio_s'] / 3600:.2f} h"
@@ -802,6 +847,7 @@ def train_pool(
 
 
 PHONE_HEAD_WARMUP = 200  # steps a fresh phone head trains on a detached encoder output
+DISTILL_HEAD_WARMUP = 100  # the same for a fresh distillation head
 
 
 def _fit_frames(labels: torch.Tensor, n: int) -> torch.Tensor:
@@ -829,6 +875,8 @@ def dry_run(args) -> int:
             "--vocab", "128", "--threads", "1", "--pool", "4", "--pool-epochs", "2", "--workers", "0",
             "--panel-n", "0", "--every", "2", "--device", args.device,
         ]  # fmt: skip
+        if args.distill > 0:
+            argv += ["--distill", str(args.distill)]
         main_args = argv
         import asr.training.train_streaming as me
 
@@ -839,6 +887,7 @@ def dry_run(args) -> int:
         ok = rc == 0 and out.is_file() and (run / "last.pt").is_file()
         ck = torch.load(run / "last.pt", map_location="cpu", weights_only=False)
         ok = ok and ck["step"] == 3 and ck["data_batches"] == 3 and "rng" in ck
+        ok = ok and (args.distill <= 0 or "distill_head" in ck)
         print(
             f"dry run {'ok' if ok else 'FAILED'}: 3 steps on {args.device}, engines {engines}, export {out.stat().st_size if out.is_file() else 0} bytes"
         )

@@ -130,12 +130,15 @@ def test_encoder_frames_match_the_model() -> None:
     assert el.tolist() == [encoder_frames(n) for n in lengths]
 
 
-def test_dry_run_of_the_gpu_path_on_cpu() -> None:
+@pytest.mark.parametrize("distill", ["0", "1.0"])
+def test_dry_run_of_the_gpu_path_on_cpu(distill: str) -> None:
+    """Three steps, a checkpoint that resumes, an export; with distillation the checkpoint also holds its
+    head (Moonshine's encoder made the targets in the loader)."""
     pytest.importorskip("nemo.collections.asr")
     pytest.importorskip("espeakng_loader")
     from asr.training.train_streaming import main
 
-    assert main(["--dry-run", "--device", "cpu"]) == 0
+    assert main(["--dry-run", "--device", "cpu", "--distill", distill]) == 0
 
 
 def test_gpu_carry_script_trims_only_what_asr_training_does_not_read() -> None:
