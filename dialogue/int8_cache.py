@@ -75,14 +75,14 @@ def load(path: Path, model_dir: Path, weight_only_cls: Callable[..., Any] | None
 
     Raises on any mismatch (missing or unexpected keys, a tensor left on the meta device): the caller
     then rebuilds from the float weights."""
+    import warnings
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import warnings
-
     with warnings.catch_warnings():  # quantised tensors still go through TypedStorage when loaded
         warnings.simplefilter("ignore", UserWarning)
-        doc = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        doc = torch.load(path, map_location="cpu", weights_only=False)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"{path}: not an int8 cache of format {FORMAT}")
     state: dict[str, Any] = doc["state"]
