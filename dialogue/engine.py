@@ -68,6 +68,11 @@ class SlowOptions(LlmOptions):
     #: the caller, as the slow model reads it (dialogue/caller_notes.py): "What is my dog called?" was
     #: answered "You're Max!"
     caller_notes: bool = True
+    #: intra-op threads for the steps the answer's onset waits on: the listen step at a pause (the
+    #: drafter and the turn heads read the final transcript) and the answer's first step. The recogniser
+    #: has just finished and the voice has nothing to say yet, so on a 2-core machine the other core is
+    #: idle then; None: `threads` for every step. Leave it None where other sessions share the cores.
+    pause_threads: int | None = None
 
     @property
     def slow_system_prompt(self) -> str:
@@ -130,6 +135,10 @@ def _options(cls: Any, raw: Mapping[str, Any], what: str) -> Any:
             raise ConfigError(f"{what}: {name} must be >= 1")
     if int(opts.window_tokens) < 128:
         raise ConfigError(f"{what}: window_tokens must be >= 128")
+    for name in ("threads", "pause_threads"):
+        value = getattr(opts, name, None)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{what}: {name} must be a whole number >= 1 or null, got {value!r}")
     if getattr(opts, "relay_check", "exact") not in ("exact", "verifier"):
         raise ConfigError(f"{what}: relay_check must be exact or verifier, got {opts.relay_check!r}")
     return opts
@@ -262,7 +271,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
     # -- steps ------------------------------------------------------------------------------
 
     def step(self, state: DialogueState, chunk: Any) -> tuple[Any, DialogueState]:
-        with torch.inference_mode(), _torch_threads(self.slow_options.threads):
+        with torch.inference_mode(), _torch_threads(self.threads_for(chunk)):
             if isinstance(chunk, ListenStep):
                 return self._listen(state, chunk), state
             if isinstance(chunk, OverlapStep):
@@ -300,6 +309,19 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
                     out[i] = (o, items[i][0])
         assert all(o is not None for o in out)
         return [o for o in out if o is not None]
+
+    def threads_for(self, chunk: Any) -> int | None:
+        """Intra-op threads for `chunk`: `pause_threads` for a listen step at a pause (it does not prefill
+        the slow model) and an answer's first step, else `threads`."""
+        o = self.slow_options
+        if o.pause_threads is None:
+            return o.threads
+        urgent = (isinstance(chunk, ListenStep) and not chunk.prefill_slow) or (
+            not isinstance(chunk, (ListenStep, OverlapStep))
+            and hasattr(chunk, "max_tokens")
+            and getattr(chunk, "messages", None) is not None
+        )
+        return o.pause_threads if urgent else o.threads
 
     def _continues(self, chunk: Any) -> bool:
         """An answer's continuation decoded by the in-process slow model (batchable)."""

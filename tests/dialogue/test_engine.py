@@ -18,6 +18,7 @@ from dialogue.conversation import ChatRenderer, Conversations, pieces_for
 from dialogue.engine import DialogueStage, DrafterOptions, SlowOptions
 from dialogue.kv_cache import CachedLM
 from dialogue.verifier import prefix_ends_word
+from duplex.base.config import ConfigError
 from duplex.base.messages import ListenStep, OverlapStep, RespondStep
 
 CHATML = (
@@ -597,3 +598,43 @@ def test_caller_notes_reach_the_slow_model_as_it_reads_the_question(tokenizer, n
     assert out.text.startswith("Your dog") == notes
     answers = [p.key[1] for p in state.slow.pieces if p.key[0] == "answer"]
     assert (answers == ["Your dog"]) == notes
+
+
+def test_pause_threads_run_only_the_steps_the_onset_waits_on(tokenizer, monkeypatch):
+    """`pause_threads` goes to the listen step at a pause (no slow prefill) and the answer's first step;
+    listen steps while the user talks, continuations and overlap steps keep `threads`. The answer is the
+    same either way."""
+    import dialogue.engine as engine_mod
+
+    seen: list[int | None] = []
+    real = engine_mod._torch_threads
+
+    def record(n):
+        seen.append(n)
+        return real(n)
+
+    monkeypatch.setattr(engine_mod, "_torch_threads", record)
+    slow, drafter = tiny("qwen2", len(tokenizer), 4), tiny("llama", len(tokenizer), 5)
+    texts = []
+    for pause_threads in (None, 2):
+        opts = SlowOptions(system_prompt=SYSTEM, max_new_tokens=8, threads=1, pause_threads=pause_threads)
+        stage = DialogueStage(
+            slow, tokenizer, opts, drafter, tokenizer, DrafterOptions(), _Heads(), None, None
+        )
+        state = stage.init_state()
+        seen.clear()
+        q = "what is the capital of france"
+        stage.step(state, ListenStep([], "what is the"))  # while they talk
+        stage.step(state, ListenStep([], q, prefill_slow=False))  # at the pause
+        stage.step(state, OverlapStep("stop"))
+        out, state = stage.step(state, RespondStep([{"role": "user", "content": q}], 4))
+        text = out.text
+        while not out.done:
+            out, state = stage.step(state, RespondStep(None, 4))
+            text += out.text
+        texts.append(text)
+        urgent = 1 if pause_threads is None else 2
+        assert seen[:4] == [1, urgent, 1, urgent] and set(seen[4:]) == {1}
+    assert texts[0] == texts[1]
+    with pytest.raises(ConfigError, match="pause_threads"):
+        SlowOptions.from_mapping({"pause_threads": 0})
