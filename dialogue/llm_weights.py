@@ -502,6 +502,10 @@ def load(
 
             try:
                 int8_cache.save(model, int8_file)
+                # an earlier file of the same model (other weights, or another torch) is stale now
+                for old in int8_file.parent.glob(f"{w.name}-*.pt"):
+                    if old != int8_file:
+                        old.unlink(missing_ok=True)
             except OSError as exc:  # a full or read-only cache: the next start quantises again
                 log.warning("LLM weights %s: could not save the int8 cache %s (%s)", w.name, int8_file, exc)
     elif target.type != "cpu":

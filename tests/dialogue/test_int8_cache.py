@@ -64,8 +64,10 @@ def test_changed_weights_get_a_new_cache(tiny_dir: Path, tmp_path: Path) -> None
     lw.load({"path": str(tiny_dir)}, "int8-dynamic", progress=False)
     tok = tiny_tokenizer()
     tiny_model(len(tok), seed=4).save_pretrained(str(tiny_dir))  # other weights in the same folder
+    before = _cache_files(tmp_path)
     model, _ = lw.load({"path": str(tiny_dir)}, "int8-dynamic", progress=False)
-    assert len(_cache_files(tmp_path)) == 2
+    after = _cache_files(tmp_path)
+    assert len(after) == 1 and after != before  # a new file, and the stale one removed
     fresh = lw.quantize_int8_dynamic(tiny_model(len(tok), seed=4), tok, alpha=lw.SMOOTH_ALPHA)
     assert torch.equal(_logits(model, tok), _logits(fresh, tok))
 
