@@ -13,7 +13,8 @@ The file sits under ``$DUPLEX_CACHE/int8/`` with a key over everything that deci
 the source weights (the converted cache's directory name carries the GGUF's sha256; a user's own
 directory is keyed on its files' sizes and times), torch and transformers versions, the
 calibration texts, the smoothing alpha and this format's version. A file that fails to load is
-reported, deleted and rebuilt.
+reported, deleted and rebuilt. `DUPLEX_INT8_CACHE=0` turns the cache off (every int8 load quantises
+again and nothing is written).
 """
 
 from __future__ import annotations

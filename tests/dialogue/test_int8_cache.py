@@ -72,7 +72,12 @@ def test_changed_weights_get_a_new_cache(tiny_dir: Path, tmp_path: Path) -> None
     assert torch.equal(_logits(model, tok), _logits(fresh, tok))
 
 
-def test_float_loads_and_adapted_models_do_not_use_it(tiny_dir: Path, tmp_path: Path) -> None:
+def test_float_loads_and_adapted_models_do_not_use_it(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     lw.load({"path": str(tiny_dir)}, "float32", progress=False)
+    with monkeypatch.context() as m:
+        m.setenv("DUPLEX_INT8_CACHE", "0")
+        lw.load({"path": str(tiny_dir)}, "int8-dynamic", progress=False)
     lw.load({"path": str(tiny_dir)}, "int8-dynamic", progress=False, before_quantize=lambda m: None)
     assert _cache_files(tmp_path) == []
