@@ -83,7 +83,7 @@ def load(path: Path, model_dir: Path, weight_only_cls: Callable[..., Any] | None
 
     with warnings.catch_warnings():  # quantised tensors still go through TypedStorage when loaded
         warnings.simplefilter("ignore", UserWarning)
-        doc = torch.load(path, map_location="cpu", weights_only=False)
+        doc = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"{path}: not an int8 cache of format {FORMAT}")
     state: dict[str, Any] = doc["state"]
