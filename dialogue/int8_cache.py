@@ -5,8 +5,8 @@ SmoothQuant scales, and packs every Linear to int8: for the 1.5B `cpu-large` mod
 and peaked at ~10 GB (the float32 file mapped, plus the float model, plus the int8 copies). The
 result is saved once, after the first such load, as a `torch.save` of the quantised model's
 state dict (packed int8 weights with their per-channel scales, the smoothed norms, the float
-embeddings); a later start builds the model's skeleton on the meta device (no float weights at
-all), puts the same int8 modules in place and loads the state into them. The model is then the same
+embeddings); a later start builds the model's skeleton on the meta device (no float32 copy of the
+matrices is ever made), puts the same int8 modules in place and loads the state into them. The model is then the same
 module for module and number for number as a fresh quantisation (`tests/dialogue/test_int8_cache.py`).
 
 The file sits under ``$DUPLEX_CACHE/int8/`` with a key over everything that decides the numbers:
