@@ -471,7 +471,11 @@ def load(
     d = prepare(w, progress=progress)
     tdtype = _torch_dtype(dtype)
     int8_file = None
-    if dtype == "int8-dynamic" and before_quantize is None and os.environ.get("DUPLEX_INT8_CACHE", "1") != "0":
+    if (
+        dtype == "int8-dynamic"
+        and before_quantize is None
+        and os.environ.get("DUPLEX_INT8_CACHE", "1") != "0"
+    ):
         int8_file = _int8_cache_file(w, d)
         model = _load_int8_cache(int8_file, d)
         if model is not None:
