@@ -103,6 +103,23 @@ def decode_tokens(tokens: list[bytes], ids: list[int]) -> str:
     return clean_text(raw.decode("utf-8", errors="replace").replace(_SPACE_MARK, " "))
 
 
+def model_file(name: str, package: str = "moonshine_cpp") -> str:
+    """Path of Moonshine base-en's file `name` inside the installed `package`."""
+    pip_name = PIP_NAME if package == "moonshine_cpp" else package.replace("_", "-")
+    return package_file(package, f"{MODEL_DIR}/{name}", pip_name)
+
+
+def ort_session(path: str, threads: int):  # -> onnxruntime.InferenceSession
+    """An onnxruntime session of a Moonshine `.ort` file on `threads` intra-op threads (a pool that sleeps
+    between runs, asr/ort_options.py), loaded as ONNX, not .ort: see asr/ort_format.py (the dequantised
+    weights are folded once: ~3x faster)."""
+    import onnxruntime as ort
+
+    return ort.InferenceSession(
+        ort_to_onnx(path).SerializeToString(), session_options(threads), providers=["CPUExecutionProvider"]
+    )
+
+
 class MoonshineModel:
     """Moonshine base-en's encoder and decoder in onnxruntime, shared by all sessions and executor threads.
 
@@ -117,22 +134,16 @@ class MoonshineModel:
         if threads < 1:
             raise ConfigError("asr option 'threads' must be >= 1")
         try:
-            import onnxruntime as ort
+            import onnxruntime  # noqa: F401  (here, for a clear error before any file is read)
         except ImportError:
             raise ModelError("the Moonshine ASR needs onnxruntime: pip install 'onnxruntime>=1.18'") from None
         pip_name = PIP_NAME if package == "moonshine_cpp" else package.replace("_", "-")
-        encoder = package_file(package, f"{MODEL_DIR}/encoder_model.ort", pip_name)
-        decoder = package_file(package, f"{MODEL_DIR}/decoder_model_merged.ort", pip_name)
-        self.tokens = load_tokenizer(package_file(package, f"{MODEL_DIR}/tokenizer.bin", pip_name))
-        opts = session_options(threads)  # a pool that sleeps between runs (asr/ort_options.py)
+        encoder = model_file("encoder_model.ort", package)
+        decoder = model_file("decoder_model_merged.ort", package)
+        self.tokens = load_tokenizer(model_file("tokenizer.bin", package))
         try:
-            # as ONNX, not .ort: see asr/ort_format.py (the dequantised weights are folded once: ~3x faster)
-            self._encoder = ort.InferenceSession(
-                ort_to_onnx(encoder).SerializeToString(), opts, providers=["CPUExecutionProvider"]
-            )
-            self._decoder = ort.InferenceSession(
-                ort_to_onnx(decoder).SerializeToString(), opts, providers=["CPUExecutionProvider"]
-            )
+            self._encoder = ort_session(encoder, threads)
+            self._decoder = ort_session(decoder, threads)
         except ModelError as exc:
             raise ModelError(f"{exc}; reinstall: pip install --force-reinstall {pip_name}") from None
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types for damaged files

@@ -276,7 +276,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
                 return self._listen(state, chunk), state
             if isinstance(chunk, OverlapStep):
                 return self._overlap(chunk), state
-            if isinstance(chunk, RespondStep) or hasattr(chunk, "max_tokens"):
+            if _responds(chunk):
                 return self._respond(state, chunk), state
         raise TypeError(f"dialogue engine: unknown step {type(chunk).__name__}")
 
@@ -317,18 +317,13 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         if o.pause_threads is None:
             return o.threads
         urgent = (isinstance(chunk, ListenStep) and not chunk.prefill_slow) or (
-            not isinstance(chunk, (ListenStep, OverlapStep))
-            and hasattr(chunk, "max_tokens")
-            and getattr(chunk, "messages", None) is not None
+            _responds(chunk) and chunk.messages is not None
         )
         return o.pause_threads if urgent else o.threads
 
     def _continues(self, chunk: Any) -> bool:
         """An answer's continuation decoded by the in-process slow model (batchable)."""
-        respond = isinstance(chunk, RespondStep) or (
-            hasattr(chunk, "max_tokens") and not isinstance(chunk, (ListenStep, OverlapStep))
-        )
-        return respond and chunk.messages is None and self.remote is None and self.slow is not None
+        return _responds(chunk) and chunk.messages is None and self.remote is None and self.slow is not None
 
     def _listen(self, state: DialogueState, step: ListenStep) -> ListenOutput:
         return self._listen_batch([(state, step)])[0]
@@ -772,6 +767,14 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             out, state = self.step(state, RespondStep(None, self.slow_options.step_tokens))
             parts.append(out.text)
         return "".join(parts), info
+
+
+def _responds(chunk: Any) -> bool:
+    """A step of an answer: a RespondStep, or any step with `max_tokens` that is not a listen or overlap
+    step (what older callers send)."""
+    return isinstance(chunk, RespondStep) or (
+        hasattr(chunk, "max_tokens") and not isinstance(chunk, (ListenStep, OverlapStep))
+    )
 
 
 def _after_seam(state: DialogueState, text: str) -> str:

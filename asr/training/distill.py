@@ -20,8 +20,6 @@ Loss: masked mean of L1 + (1 - cosine) per frame.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import torch
 
@@ -38,29 +36,11 @@ class MoonshineTeacher:
     """Moonshine base-en's encoder on one thread; `features(audio)` -> float16 [T, 416], frame-normalised."""
 
     def __init__(self, threads: int = 1) -> None:
-        self.threads = threads
-        self._session = None
-        self._lock = threading.Lock()
+        from asr.moonshine import model_file, ort_session
 
-    def _load(self):
-        import onnxruntime as ort
-
-        from asr.moonshine import MODEL_DIR, PIP_NAME
-        from asr.ort_format import ort_to_onnx
-        from asr.ort_options import session_options
-        from asr.vad import package_file
-
-        path = package_file("moonshine_cpp", f"{MODEL_DIR}/encoder_model.ort", PIP_NAME)
-        return ort.InferenceSession(
-            ort_to_onnx(path).SerializeToString(),
-            session_options(self.threads),
-            providers=["CPUExecutionProvider"],
-        )
+        self._session = ort_session(model_file("encoder_model.ort"), threads)
 
     def features(self, audio: np.ndarray) -> np.ndarray:
-        with self._lock:
-            if self._session is None:
-                self._session = self._load()
         x = np.ascontiguousarray(audio, dtype=np.float32).reshape(1, -1)
         if x.shape[1] < SAMPLE_RATE // 10:
             x = np.pad(x, ((0, 0), (0, SAMPLE_RATE // 10 - x.shape[1])))
