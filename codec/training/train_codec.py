@@ -3,6 +3,11 @@
     python -m codec.training.train_codec --run ~/.cache/duplex/runs/codec/run1 --minutes 90 --threads 1
     python -m codec.training.train_codec --run DIR --minutes 30 --device cuda --init codec/weights/speech_codec.safetensors
     python -m codec.training.train_codec --run DIR --export codec/weights      # EMA weights -> fp16 safetensors + json
+    python -m codec.training.train_codec --run DIR --levels 5,5,5,5 --groups 4 --warm-start codec/weights/speech_codec.safetensors
+
+A new run takes its shape from --levels / --groups (a resumed one from its checkpoint). --warm-start copies
+every tensor of an exported codec whose name and shape match (a wider latent keeps the encoder's and the
+decoder's bodies, the PCA bases and the heads; only the projections into and out of the latent start new).
 
 The encoder reads the log-mel of hibari's audio; the decoder regresses hibari's own vocoder inputs
 (voicing, log F0, and PCA coefficients of the harmonic and merged noise log-envelopes), so training is a
@@ -23,7 +28,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -361,6 +366,39 @@ class Trainer:
         torch.set_rng_state(sd["rng"]["torch"])
 
 
+def warm_start(trainer: Trainer, path: Path) -> tuple[list[str], list[str]]:
+    """Copy every tensor of the exported codec at `path` whose name and shape match into the model and
+    its EMA; the data position continues the export's stream. Returns (copied, skipped) names."""
+    from safetensors.torch import load_file
+
+    src = {k: v.float() for k, v in load_file(str(path)).items()}
+    own = trainer.model.state_dict()
+    copied = sorted(k for k, v in src.items() if k in own and own[k].shape == v.shape)
+    skipped = sorted(set(own) - set(copied))
+    if not copied:
+        raise ValueError(f"{path}: no tensor matches this codec's names and shapes")
+    for m in (trainer.model, trainer.ema):
+        m.load_state_dict({k: src[k] for k in copied}, strict=False)
+    pca = ("lh_mean", "lh_basis", "lh_std", "nz_mean", "nz_basis", "nz_std")
+    trainer.pca_ready = all(k in copied for k in pca)
+    meta_path = path.with_suffix(".json")
+    if meta_path.is_file():
+        trainer.pos = int(json.loads(meta_path.read_text()).get("examples_seen", 0))
+    return copied, skipped
+
+
+def parse_levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"levels must be integers separated by commas, got {text!r}"
+        ) from None
+    if not levels or any(v < 2 for v in levels):
+        raise argparse.ArgumentTypeError(f"every FSQ level must be >= 2, got {text!r}")
+    return levels
+
+
 # -- evaluation gate ----------------------------------------------------------------------------------
 @torch.no_grad()
 def gate(model: SpeechCodec, teacher, scorer, sentences: list[str]) -> dict:
@@ -478,6 +516,16 @@ def main(
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init", type=Path, default=None, help="start from shipped weights (safetensors)")
     ap.add_argument(
+        "--warm-start",
+        type=Path,
+        default=None,
+        help="start a new shape from shipped weights: copy the tensors whose names and shapes match",
+    )
+    ap.add_argument(
+        "--levels", type=parse_levels, default=None, help="FSQ levels per group, e.g. 5,5,5,5 (new run)"
+    )
+    ap.add_argument("--groups", type=int, default=None, help="FSQ groups (codes per frame; new run)")
+    ap.add_argument(
         "--freeze-encoder",
         action="store_true",
         help="train the decoder only: the latent (and so a flow model trained on it) stays valid",
@@ -505,9 +553,26 @@ def main(
 
     from codec.training.hibari_teacher import heldout_sentences, training_sentences
 
-    cfg = CodecConfig()
     ck = run / CKPT
     saved = torch.load(ck, map_location="cpu", weights_only=False) if ck.is_file() else None
+    if args.init and args.warm_start:
+        ap.error("--init and --warm-start are exclusive")
+    if saved is not None:
+        cfg = CodecConfig.from_dict(saved["config"])
+        asked = {"levels": args.levels, "groups": args.groups}
+        if any(v is not None and v != getattr(cfg, k) for k, v in asked.items()):
+            ap.error(
+                f"{ck} was trained with levels {cfg.levels} x {cfg.groups} groups; a resumed run keeps its shape"
+            )
+    else:
+        cfg = CodecConfig()
+        if args.levels is not None:
+            cfg = replace(cfg, levels=args.levels)
+        if args.groups is not None:
+            if args.groups < 1:
+                ap.error("--groups must be >= 1")
+            cfg = replace(cfg, groups=args.groups)
+    log(f"codec shape: {cfg.groups} x levels {cfg.levels} = {cfg.latent_dim}-d latent, {cfg.bitrate:.1f} bps")
     freeze = make_latents is not None or args.freeze_encoder or bool(saved and saved.get("freeze_encoder"))
     source = TeacherSource(training_sentences(), seed=args.seed, threads=1)
     trainer = Trainer(
@@ -538,6 +603,12 @@ def main(
         if meta_path.is_file():  # continue the data stream where the shipped run stopped
             trainer.pos = int(json.loads(meta_path.read_text()).get("examples_seen", 0))
         log(f"initialised from {args.init} (data position {trainer.pos}, encoder frozen: {freeze})")
+    elif args.warm_start:
+        copied, skipped = warm_start(trainer, args.warm_start)
+        log(
+            f"warm start from {args.warm_start}: {len(copied)} tensors copied, new: {', '.join(skipped)} "
+            f"(data position {trainer.pos}, PCA from the file: {trainer.pca_ready})"
+        )
     del saved
     # frozen: the decoder reads latents made once per example (after the weights are in), no encoder in the step
     if freeze:

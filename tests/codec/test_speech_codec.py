@@ -314,3 +314,38 @@ def test_a_failing_evaluation_is_logged_and_training_goes_on():
 
     guarded("gate", broken, lines.append)  # does not raise
     assert lines == ["gate failed (AttributeError: 'FSQ' object has no attribute 'snap'); training goes on"]
+
+
+def test_a_wider_codec_warm_starts_from_an_export(tmp_path):
+    """--warm-start: a codec with another FSQ shape copies every tensor whose name and shape match (the
+    encoder's and decoder's bodies, heads, PCA bases) and starts only the latent's projections new."""
+    from dataclasses import replace
+
+    from codec.training.train_codec import Trainer, warm_start
+
+    path = _export(make_trainer(), tmp_path / "a")
+    (path.with_suffix(".json")).write_text('{"examples_seen": 123}')
+    wide = replace(TINY, levels=(5, 5, 5, 5), groups=TINY.groups + 1)
+    b = Trainer(wide, fake_source, pool_size=6, batch=3, crop=30, pca_examples=4, log=lambda _: None)
+    copied, new = warm_start(b, path)
+    assert set(new) == {"enc_out.weight", "enc_out.bias", "dec_in.weight"}
+    from safetensors.torch import load_file
+
+    src = load_file(str(path))
+    for k in copied:
+        assert torch.equal(b.model.state_dict()[k], src[k].float()), k
+        assert torch.equal(b.ema.state_dict()[k], src[k].float()), k
+    assert b.pca_ready and b.pos == 123 and b.step_n == 0
+    b.start()
+    assert math.isfinite(b.step()["total"])
+
+
+def test_levels_must_be_integers_of_at_least_two():
+    import argparse
+
+    from codec.training.train_codec import parse_levels
+
+    assert parse_levels("5,5,5,5") == (5, 5, 5, 5)
+    for bad in ("5,x", "5,1", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_levels(bad)

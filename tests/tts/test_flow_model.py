@@ -253,3 +253,29 @@ def test_training_then_euler_sampling_reproduces_a_memorised_target() -> None:
     err = {s: float(((m.sample(cond, steps=s, chunk=4, left_chunks=2)[0] - y) ** 2).mean()) for s in (2, 8)}
     assert err[8] < 0.05 * float((y**2).mean())
     assert err[8] < err[2]
+
+
+def test_a_run_for_a_wider_latent_warm_starts_from_exported_weights(tmp_path) -> None:
+    """--warm-start: a run on a codec with another latent width copies every tensor whose shape matches
+    (phoneme encoder, durations, the estimator's body) and starts the latent's projections new, at step 0."""
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+
+    a = make()
+    a.start()
+    a.step()
+    tensors = {k: v.half().contiguous() for k, v in a.ema.state_dict().items() if v.is_floating_point()}
+    save_file(tensors, str(tmp_path / "flow_model.safetensors"))
+    wide = replace(CFG, latent_dim=CFG.latent_dim + 2)
+    b = Trainer(wide, synthetic_source, pool_size=12, batch=3, norm_examples=4, warmup=2, log=lambda _: None)
+    copied, new = b.warm_start(tmp_path)
+    assert {"prior.weight", "x_in.weight", "out.weight", "latent_mean"} <= set(new)
+    assert copied and not set(copied) & set(new)
+    for k in copied:
+        assert torch.equal(b.model.state_dict()[k], tensors[k].float()), k
+        assert torch.equal(b.ema.state_dict()[k], tensors[k].float()), k
+    assert b.step_n == 0 and not b.norm_ready
+    with pytest.raises(SystemExit, match="no tensor matches"):
+        save_file({"nothing": torch.zeros(1)}, str(tmp_path / "flow_model.safetensors"))
+        b.warm_start(tmp_path)

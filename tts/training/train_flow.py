@@ -268,6 +268,22 @@ class Trainer:
         self.rng = np.random.default_rng([self.step_n, 1])
         self.gen = torch.Generator().manual_seed(self.step_n)
 
+    def warm_start(self, path: Path) -> tuple[list[str], list[str]]:
+        """A new run for another codec (e.g. a wider latent) starts from exported weights: every tensor
+        whose name and shape match is copied into the model and its EMA (the phoneme encoder, the
+        duration head, the estimator's body); the rest (the latent's projections, its mean and std)
+        start new, at step 0 with the run's own data stream. Returns (copied, new) names."""
+        from safetensors.torch import load_file
+
+        src = {k: v.float() for k, v in load_file(str(path / "flow_model.safetensors")).items()}
+        own = self.model.state_dict()
+        copied = sorted(k for k, v in src.items() if k in own and own[k].shape == v.shape)
+        if not copied:
+            raise SystemExit(f"{path}: no tensor matches this run's model names and shapes")
+        for m in (self.model, self.ema):
+            m.load_state_dict({k: src[k] for k in copied}, strict=False)
+        return copied, sorted(set(own) - set(copied))
+
     def next_mask(self) -> tuple[int | None, int]:
         if self.rng.random() < self.p_full:
             return None, 0
@@ -482,6 +498,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="a new run starts from these exported weights (e.g. tts/weights, the shipped ones)",
     )
+    ap.add_argument(
+        "--warm-start",
+        type=Path,
+        default=None,
+        help="a new run (e.g. on a new codec) copies the tensors of these exported weights whose shapes match",
+    )
     ap.add_argument("--lr-halflife", type=float, default=20000.0, help="steps for the lr to halve")
     ap.add_argument(
         "--fragments", type=float, default=0.0, help="share of examples that are one phrase of a sentence"
@@ -569,12 +591,17 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         log=log,
     )
+    if args.init and args.warm_start:
+        ap.error("--init and --warm-start are exclusive")
     if ck.is_file():
         trainer.load_state_dict(torch.load(ck, map_location="cpu", weights_only=False))
         log(f"resumed from {ck} at step {trainer.step_n}, data position {trainer.pos}")
     elif args.init:
         trainer.init_from_export(args.init)
         log(f"started from the exported weights in {args.init} at step {trainer.step_n} (fresh optimiser)")
+    elif args.warm_start:
+        copied, new = trainer.warm_start(args.warm_start)
+        log(f"warm start from {args.warm_start}: {len(copied)} tensors copied, new: {', '.join(new)}")
     command = " ".join([sys.executable.split("/")[-1], "-m", "tts.training.train_flow", *sys.argv[1:]])
     t0 = time.time()
     trainer.start()
