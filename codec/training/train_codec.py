@@ -387,6 +387,32 @@ def warm_start(trainer: Trainer, path: Path) -> tuple[list[str], list[str]]:
     return copied, skipped
 
 
+def resolve_config(
+    saved: dict | None, init: Path | None, levels: tuple[int, ...] | None, groups: int | None
+) -> CodecConfig:
+    """The run's codec shape: a resumed run's (its checkpoint's config) or --init's (the file's metadata)
+    is kept, and asking for another raises ValueError; a new run takes --levels / --groups."""
+    if saved is not None or init is not None:
+        if saved is not None:
+            cfg = CodecConfig.from_dict(saved)
+        else:
+            from safetensors import safe_open
+
+            with safe_open(str(init), "pt") as f:
+                meta = f.metadata() or {}
+            cfg = CodecConfig.from_dict(json.loads(meta["config"])) if "config" in meta else CodecConfig()
+        asked = {"levels": levels, "groups": groups}
+        if any(v is not None and v != getattr(cfg, k) for k, v in asked.items()):
+            raise ValueError(
+                f"its shape is levels {cfg.levels} x {cfg.groups} groups, which a resumed or --init run keeps"
+            )
+        return cfg
+    if groups is not None and groups < 1:
+        raise ValueError("--groups must be >= 1")
+    cfg = CodecConfig()
+    return replace(cfg, levels=levels or cfg.levels, groups=groups or cfg.groups)
+
+
 def parse_levels(text: str) -> tuple[int, ...]:
     try:
         levels = tuple(int(v) for v in text.split(","))
@@ -557,21 +583,10 @@ def main(
     saved = torch.load(ck, map_location="cpu", weights_only=False) if ck.is_file() else None
     if args.init and args.warm_start:
         ap.error("--init and --warm-start are exclusive")
-    if saved is not None:
-        cfg = CodecConfig.from_dict(saved["config"])
-        asked = {"levels": args.levels, "groups": args.groups}
-        if any(v is not None and v != getattr(cfg, k) for k, v in asked.items()):
-            ap.error(
-                f"{ck} was trained with levels {cfg.levels} x {cfg.groups} groups; a resumed run keeps its shape"
-            )
-    else:
-        cfg = CodecConfig()
-        if args.levels is not None:
-            cfg = replace(cfg, levels=args.levels)
-        if args.groups is not None:
-            if args.groups < 1:
-                ap.error("--groups must be >= 1")
-            cfg = replace(cfg, groups=args.groups)
+    try:
+        cfg = resolve_config(saved["config"] if saved else None, args.init, args.levels, args.groups)
+    except ValueError as e:
+        ap.error(f"{ck if saved else args.init}: {e}" if saved or args.init else str(e))
     log(f"codec shape: {cfg.groups} x levels {cfg.levels} = {cfg.latent_dim}-d latent, {cfg.bitrate:.1f} bps")
     freeze = make_latents is not None or args.freeze_encoder or bool(saved and saved.get("freeze_encoder"))
     source = TeacherSource(training_sentences(), seed=args.seed, threads=1)

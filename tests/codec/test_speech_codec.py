@@ -349,3 +349,23 @@ def test_levels_must_be_integers_of_at_least_two():
     for bad in ("5,x", "5,1", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_levels(bad)
+
+
+def test_a_run_keeps_the_shape_it_was_trained_or_initialised_with(tmp_path):
+    from dataclasses import replace
+
+    from codec.speech_codec import CodecConfig
+    from codec.training.train_codec import resolve_config
+
+    assert resolve_config(None, None, (5, 5, 5, 5), 4) == replace(
+        CodecConfig(), levels=(5, 5, 5, 5), groups=4
+    )
+    assert resolve_config(None, None, None, None) == CodecConfig()
+    assert resolve_config(TINY.to_dict(), None, None, None) == TINY
+    path = _export(make_trainer(), tmp_path / "a")
+    assert resolve_config(None, path, None, TINY.groups) == TINY  # from the file's metadata
+    for saved, init in ((TINY.to_dict(), None), (None, path)):
+        with pytest.raises(ValueError, match="keeps"):
+            resolve_config(saved, init, (5, 5, 5, 5), None)
+    with pytest.raises(ValueError, match="groups"):
+        resolve_config(None, None, None, 0)
