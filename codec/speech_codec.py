@@ -46,6 +46,7 @@ class CodecConfig:
     dec_fast_blocks: int = 3
     kernel: int = 7
     n_pca: int = 48
+    env_delay: int = 2  # vocoder: frames the envelopes wait for their pulses (decoder-side only; dsp_vocoder)
 
     @property
     def latent_dim(self) -> int:
@@ -58,6 +59,12 @@ class CodecConfig:
     @property
     def samples_per_code(self) -> int:
         return HOP * self.down
+
+    @property
+    def output_delay(self) -> int:
+        """Samples from a code frame's start to its audio in `decode`'s output: the overlap-add (900) plus
+        the vocoder's envelope delay (300 per frame)."""
+        return N_FFT - HOP + HOP * self.env_delay
 
     @property
     def bitrate(self) -> float:
@@ -178,7 +185,7 @@ class SpeechCodec(nn.Module):
             self.register_buffer(f"{name}_mean", torch.zeros(N_BINS))
             self.register_buffer(f"{name}_basis", torch.zeros(c.n_pca, N_BINS))
             self.register_buffer(f"{name}_std", torch.ones(c.n_pca))
-        self.vocoder = HarmonicNoiseVocoder()
+        self.vocoder = HarmonicNoiseVocoder(c.env_delay)
 
     # -- front end / encoder ------------------------------------------------------------------------
     def mel(self, audio: torch.Tensor) -> torch.Tensor:
@@ -269,12 +276,12 @@ class SpeechCodec(nn.Module):
         return list(audio.split(1)), st.unbind()
 
     def flush(self, state: DecoderState) -> torch.Tensor:
-        """The last 900 samples of a finished stream."""
+        """The rest of a finished stream (`cfg.output_delay` samples)."""
         return self.vocoder.flush(state.vocoder)
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """Offline: codes [B, N, G] -> audio [B, N*900 + 900] (a fresh state, then flushed)."""
+        """Offline: codes [B, N, G] -> audio [B, N*900 + output_delay] (a fresh state, then flushed)."""
         state = self.init_state(codes.shape[0], codes.device)
         audio, state = self.decode_step(state, codes)
         return torch.cat([audio, self.flush(state)], 1)
@@ -316,13 +323,23 @@ def load_codec(path: str, map_location: str = "cpu") -> SpeechCodec:
     return model.eval()
 
 
+#: config fields that change only how the decoder's features become audio, not the latent
+DECODER_ONLY = ("env_delay",)
+
+
 def latent_fingerprint(config_json: str, tensors: dict[str, torch.Tensor]) -> str:
     """sha256 of what defines a codec's latent: its config and its encoder tensors (as fp16), not the decoder.
 
     A flow model predicts the latent, so it stays valid for any codec with the same fingerprint, e.g. one
     whose decoder was trained further with the encoder frozen (`train_codec --freeze-encoder`)."""
     import hashlib
+    import json
 
+    if config_json:  # decoder-side settings do not change the latent
+        config = json.loads(config_json)
+        for key in DECODER_ONLY:
+            config.pop(key, None)
+        config_json = json.dumps(config)
     h = hashlib.sha256(config_json.encode())
     for key in sorted(k for k in tensors if k.startswith("enc_")):
         t = tensors[key].detach().cpu().half().contiguous()

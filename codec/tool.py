@@ -106,7 +106,7 @@ def encode(model: SpeechCodec, audio: np.ndarray) -> np.ndarray:
 @torch.no_grad()
 def decode(model: SpeechCodec, codes: np.ndarray, samples: int | None = None) -> np.ndarray:
     audio = model.decode(torch.from_numpy(codes.astype(np.int64))[None])[0].numpy()
-    delay = model.cfg.samples_per_code  # the streaming decoder's output starts one code frame late
+    delay = model.cfg.output_delay  # the decoder's output starts this late (overlap-add + envelope delay)
     audio = audio[delay:]
     return audio[:samples] if samples is not None else audio
 

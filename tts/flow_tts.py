@@ -222,6 +222,8 @@ class FlowTtsStage:
         same = self.front_device == self.device
         self.front_model = model.eval() if same else copy.deepcopy(model).eval()
         self.model, self.codec, self.front = model.eval().to(self.device), codec.eval().to(self.device), front
+        # code frames between a latent frame and its audio (overlap-add + the vocoder's envelope delay)
+        self.lag = -(-self.codec.cfg.output_delay // self.codec.cfg.samples_per_code)
         self.steps, self.seed, self.speed, self.snap = int(steps), int(seed), float(speed), bool(snap)
         if not 0.0 <= temperature <= 1.5:
             raise ConfigError("tts option 'temperature' must be in [0, 1.5]")
@@ -303,7 +305,7 @@ class FlowTtsStage:
         return self.codec.fsq.snap(y) if self.snap else y
 
     def _advance(self, cur: _Cursor, audio: np.ndarray, n: int) -> None:
-        """Record one decoded chunk: tag it with the words whose end it carries (one frame of codec delay)."""
+        """Record one decoded chunk: tag it with the words whose end it carries (`self.lag` frames of codec delay)."""
         utt = cur.utterances[cur.u]
         if utt.skip:
             # the codec's output lags its input by one frame: this audio is utterance frames frame-1 ..
@@ -314,10 +316,10 @@ class FlowTtsStage:
                 audio = np.concatenate([audio[: lo * hop], audio[hi * hop :]])
         cur.frame += n
         last = cur.frame >= utt.frames
-        if last or cur.frame > utt.skip + 1:  # +1: the codec's frame of delay
+        if last or cur.frame > utt.skip + self.lag:  # the codec's frames of delay
             cur.audible += 1
         k = cur.done_words
-        while k < len(utt.words) and (last or utt.word_end[k] + 1 <= cur.frame):
+        while k < len(utt.words) and (last or utt.word_end[k] + self.lag <= cur.frame):
             k += 1
         text = " ".join(utt.words[cur.done_words : k])
         cur.chunks.append(TtsChunk(audio=audio, text=text))

@@ -126,7 +126,7 @@ def ceiling_audio(model: SpeechCodec, o) -> np.ndarray:
     f0 = torch.from_numpy(o.f0)[None]
     f0 = torch.where(f0 > 40, f0, torch.zeros_like(f0))
     y = model.vocoder(f0, proj(o.lh, "lh")[None], proj(merged_noise(o.ln, o.lr), "nz")[None])
-    return y[0, 900:].numpy()
+    return y[0, model.vocoder.output_delay :].numpy()
 
 
 @torch.no_grad()
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         audio = np.concatenate([o.audio for o in outs])
         with torch.no_grad():
             codes = model.encode(torch.from_numpy(audio)[None])
-            y = model.decode(codes)[0, 900:].numpy()
+            y = model.decode(codes)[0, model.cfg.output_delay :].numpy()
         all_codes.append(codes[0])
         hyp_h.append(scorer.transcribe(audio))
         hyp_c.append(scorer.transcribe(y))

@@ -437,7 +437,7 @@ def gate(model: SpeechCodec, teacher, scorer, sentences: list[str]) -> dict:
         audio = np.concatenate([o.audio for o in teacher.text(s, audio_seed=1000 + i)])
         x = torch.from_numpy(audio)[None]
         c = model.encode(x)
-        y = model.decode(c)[0, 900:].numpy()  # drop the 900-sample overlap-add delay
+        y = model.decode(c)[0, model.cfg.output_delay :].numpy()  # drop the decoder's delay
         codes.append(c[0])
         ref_h.append(s)
         hyp_h.append(scorer.transcribe(audio))

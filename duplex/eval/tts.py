@@ -162,7 +162,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                 codes = stage.codec.encode(torch.from_numpy(audio)[None])
                 codes_all.append(codes[0].numpy())
                 if "codec" in hyp:
-                    hyp["codec"].append(scorer.transcribe(stage.codec.decode(codes)[0, 900:].numpy()))
+                    hyp["codec"].append(
+                        scorer.transcribe(
+                            stage.codec.decode(codes)[0, stage.codec.cfg.output_delay :].numpy()
+                        )
+                    )
             if "hibari_live" in hyp:
                 hyp["hibari_live"].append(scorer.transcribe(speak(hibari, text)))
             for s in steps if "flow" in parts else []:

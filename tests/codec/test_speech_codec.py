@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -111,7 +112,7 @@ def test_streaming_decode_equals_offline(chunk):
         assert a.shape == (2, codes[:, i : i + chunk].shape[1] * m.cfg.samples_per_code)
         parts.append(a)
     streamed = torch.cat([*parts, m.flush(state)], 1)
-    assert streamed.shape == offline.shape == (2, 41 * 900)
+    assert streamed.shape == offline.shape == (2, 40 * 900 + m.cfg.output_delay)
     assert offline.abs().max() > 1e-3  # not trivially silent
     torch.testing.assert_close(streamed, offline, atol=2e-5, rtol=1e-4)
 
@@ -159,9 +160,66 @@ def test_encode_shapes_and_round_trip_runs():
     audio = torch.randn(2, 24000) * 0.1
     codes = m.encode(audio)
     assert codes.shape == (2, 24000 // 900, m.cfg.groups)
-    assert m.decode(codes).shape == (2, (codes.shape[1] + 1) * 900)
+    assert m.decode(codes).shape == (2, codes.shape[1] * 900 + m.cfg.output_delay)
     assert math.isclose(CodecConfig().bitrate, 80 / 3 * 3 * math.log2(1000))
     assert CodecConfig().bitrate < 1000
+
+
+def _voc_inputs(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    f0 = torch.where(
+        torch.rand(1, n, generator=g) > 0.3, 150 + 50 * torch.rand(1, n, generator=g), torch.zeros(1, n)
+    )
+    return f0, -3 + torch.randn(1, n, 601, generator=g), -7 + torch.randn(1, n, 601, generator=g)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7])
+def test_vocoder_with_envelope_delay_streams_as_offline(chunk):
+    v = HarmonicNoiseVocoder(env_delay=2)
+    n = 23
+    f0, lh, nz = _voc_inputs(n)
+    off = v(f0, lh, nz)
+    assert off.shape == (1, n * 300 + v.output_delay) and v.output_delay == 900 + 600
+    st, parts = v.init_state(1), []
+    for i in range(0, n, chunk):
+        a, st = v.step(st, f0[:, i : i + chunk], lh[:, i : i + chunk], nz[:, i : i + chunk])
+        assert a.shape[1] == 300 * min(chunk, n - i)
+        parts.append(a)
+    torch.testing.assert_close(torch.cat([*parts, v.flush(st)], 1), off, atol=2e-5, rtol=1e-4)
+
+
+def test_envelope_delay_applies_frame_k_to_the_pulses_of_block_k_plus_d():
+    """With env_delay d, the envelopes of frame k shape pulse block k + d: the same audio as no delay with
+    the envelopes shifted d frames later (silence in front), for every sample of the n blocks."""
+    from codec.dsp_vocoder import SILENT_LOG
+
+    n, d = 20, 2
+    f0, lh, nz = _voc_inputs(n, seed=3)
+    delayed = HarmonicNoiseVocoder(env_delay=d)(f0, lh, nz, flush=False)
+    pad = torch.full((1, d, 601), SILENT_LOG)
+    shifted = HarmonicNoiseVocoder()(
+        f0, torch.cat([pad, lh[:, :-d]], 1), torch.cat([pad, nz[:, :-d]], 1), flush=False
+    )
+    torch.testing.assert_close(delayed, shifted, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="env_delay"):
+        HarmonicNoiseVocoder(env_delay=-1)
+
+
+def test_the_envelope_delay_does_not_change_the_latent_fingerprint():
+    """A flow model predicts the latent; how the decoder's features become audio is not part of it."""
+    from dataclasses import replace
+
+    from codec.speech_codec import latent_fingerprint
+
+    m = tiny_codec()
+    sd = m.state_dict()
+    fp = {d: latent_fingerprint(json.dumps(replace(TINY, env_delay=d).to_dict()), sd) for d in (0, 2)}
+    assert fp[0] == fp[2] == m.latent_sha256()
+    no_field = {
+        k: v for k, v in TINY.to_dict().items() if k != "env_delay"
+    }  # a file written before the field
+    assert latent_fingerprint(json.dumps(no_field), sd) == fp[0]
+    assert latent_fingerprint(json.dumps(replace(TINY, groups=3).to_dict()), sd) != fp[0]
 
 
 def test_vocoder_streaming_equals_offline():

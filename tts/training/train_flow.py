@@ -382,7 +382,7 @@ def gate(
         audio = np.concatenate([o.audio for o in teacher.text(s, audio_seed=1000 + i)])
         hyp_h.append(scorer.transcribe(audio))
         codes = codec.encode(torch.from_numpy(audio)[None])
-        hyp_c.append(scorer.transcribe(codec.decode(codes)[0, 900:].numpy()))
+        hyp_c.append(scorer.transcribe(codec.decode(codes)[0, codec.cfg.output_delay :].numpy()))
         for st in steps:
             hyp_f[st].append(scorer.transcribe(synthesize(model, codec, s, st, snap)))
     res = {

@@ -10,10 +10,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 d = "docs/results/codec-ceiling-2026-11-28/"
 a = json.load(open(d + "ceiling.json"))
 b = json.load(open(d + "attribution.json"))
-fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+c = json.load(open(d + "envelope_delay.json"))
+fig, ax = plt.subplots(1, 3, figsize=(15, 3.8), gridspec_kw={"width_ratios": [5, 6, 4]})
 panels = (
     (ax[0], a, f"teacher features through the codec's vocoder (n=200 sentences, {a['n_words']} words)"),
     (ax[1], b, f"one vocoder change at a time (n=100, {b['n_words']} words)"),
+    (ax[2], c, "the codec vocoder, envelope delayed d frames (n=200)"),
 )
 for axi, res, title in panels:
     names = list(res["wer"])
