@@ -61,6 +61,11 @@ class VocoderState:
         ]
 
 
+def output_delay(env_delay: int) -> int:
+    """Samples between a frame's features and its audio: the overlap-add plus the envelope delay."""
+    return OVERLAP + HOP * env_delay
+
+
 def _window() -> torch.Tensor:
     n = torch.arange(N_FFT, dtype=torch.float64)
     return (0.5 - 0.5 * torch.cos(2 * math.pi * n / N_FFT)).to(torch.float32)
@@ -97,8 +102,7 @@ class HarmonicNoiseVocoder(torch.nn.Module):
 
     @property
     def output_delay(self) -> int:
-        """Samples between a frame's features and its audio: the overlap-add plus the envelope delay."""
-        return OVERLAP + HOP * self.env_delay
+        return output_delay(self.env_delay)
 
     def pulses(self, f0: torch.Tensor, state: VocoderState) -> tuple[torch.Tensor, torch.Tensor]:
         """f0 [B, n] -> band-limited pulse train [B, n*300] (F0 interpolated from the previous frame's),

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codec.dsp_vocoder import HOP, N_BINS, N_FFT, SR, HarmonicNoiseVocoder, VocoderState
+from codec.dsp_vocoder import HOP, N_BINS, N_FFT, SR, HarmonicNoiseVocoder, VocoderState, output_delay
 from codec.fsq import FSQ
 
 LOG_F0_MEAN, LOG_F0_STD = 5.3, 0.25
@@ -64,7 +64,7 @@ class CodecConfig:
     def output_delay(self) -> int:
         """Samples from a code frame's start to its audio in `decode`'s output: the overlap-add (900) plus
         the vocoder's envelope delay (300 per frame)."""
-        return N_FFT - HOP + HOP * self.env_delay
+        return output_delay(self.env_delay)
 
     @property
     def bitrate(self) -> float:

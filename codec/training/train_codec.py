@@ -366,24 +366,38 @@ class Trainer:
         torch.set_rng_state(sd["rng"]["torch"])
 
 
-def warm_start(trainer: Trainer, path: Path) -> tuple[list[str], list[str]]:
-    """Copy every tensor of the exported codec at `path` whose name and shape match into the model and
-    its EMA; the data position continues the export's stream. Returns (copied, skipped) names."""
+def copy_matching(path: Path, *modules: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """Copy every tensor of the safetensors file at `path` whose name and shape match into each module
+    (a model and its EMA). Returns (copied, new) names; ValueError if nothing matches."""
     from safetensors.torch import load_file
 
     src = {k: v.float() for k, v in load_file(str(path)).items()}
-    own = trainer.model.state_dict()
+    own = modules[0].state_dict()
     copied = sorted(k for k, v in src.items() if k in own and own[k].shape == v.shape)
-    skipped = sorted(set(own) - set(copied))
     if not copied:
-        raise ValueError(f"{path}: no tensor matches this codec's names and shapes")
-    for m in (trainer.model, trainer.ema):
+        raise ValueError(f"{path}: no tensor matches this model's names and shapes")
+    for m in modules:
         m.load_state_dict({k: src[k] for k in copied}, strict=False)
+    return copied, sorted(set(own) - set(copied))
+
+
+def export_position(path: Path) -> int | None:
+    """The data position (`examples_seen`) in the JSON beside an exported codec, if there is one."""
+    meta_path = path.with_suffix(".json")
+    if not meta_path.is_file():
+        return None
+    return int(json.loads(meta_path.read_text()).get("examples_seen", 0))
+
+
+def warm_start(trainer: Trainer, path: Path) -> tuple[list[str], list[str]]:
+    """Copy every tensor of the exported codec at `path` whose name and shape match into the model and
+    its EMA; the data position continues the export's stream. Returns (copied, skipped) names."""
+    copied, skipped = copy_matching(path, trainer.model, trainer.ema)
     pca = ("lh_mean", "lh_basis", "lh_std", "nz_mean", "nz_basis", "nz_std")
     trainer.pca_ready = all(k in copied for k in pca)
-    meta_path = path.with_suffix(".json")
-    if meta_path.is_file():
-        trainer.pos = int(json.loads(meta_path.read_text()).get("examples_seen", 0))
+    pos = export_position(path)
+    if pos is not None:
+        trainer.pos = pos
     return copied, skipped
 
 
@@ -614,9 +628,9 @@ def main(
         trainer.model.load_state_dict(sd)
         trainer.ema.load_state_dict(sd)
         trainer.pca_ready = True
-        meta_path = args.init.with_suffix(".json")
-        if meta_path.is_file():  # continue the data stream where the shipped run stopped
-            trainer.pos = int(json.loads(meta_path.read_text()).get("examples_seen", 0))
+        pos = export_position(args.init)
+        if pos is not None:  # continue the data stream where the shipped run stopped
+            trainer.pos = pos
         log(f"initialised from {args.init} (data position {trainer.pos}, encoder frozen: {freeze})")
     elif args.warm_start:
         copied, skipped = warm_start(trainer, args.warm_start)

@@ -37,7 +37,7 @@ import torch
 
 from codec.speech_codec import SpeechCodec, latent_sha256
 from codec.training.eval_codec import load_codec_any
-from codec.training.train_codec import guarded, save_checkpoint
+from codec.training.train_codec import copy_matching, guarded, save_checkpoint
 from tts.flow_model import FlowConfig, FlowModel, chunk_mask
 
 CKPT = "checkpoint.pt"
@@ -273,16 +273,10 @@ class Trainer:
         whose name and shape match is copied into the model and its EMA (the phoneme encoder, the
         duration head, the estimator's body); the rest (the latent's projections, its mean and std)
         start new, at step 0 with the run's own data stream. Returns (copied, new) names."""
-        from safetensors.torch import load_file
-
-        src = {k: v.float() for k, v in load_file(str(path / "flow_model.safetensors")).items()}
-        own = self.model.state_dict()
-        copied = sorted(k for k, v in src.items() if k in own and own[k].shape == v.shape)
-        if not copied:
-            raise SystemExit(f"{path}: no tensor matches this run's model names and shapes")
-        for m in (self.model, self.ema):
-            m.load_state_dict({k: src[k] for k in copied}, strict=False)
-        return copied, sorted(set(own) - set(copied))
+        try:
+            return copy_matching(path / "flow_model.safetensors", self.model, self.ema)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
 
     def next_mask(self) -> tuple[int | None, int]:
         if self.rng.random() < self.p_full:
