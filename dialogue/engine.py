@@ -31,8 +31,9 @@ import torch
 from dialogue import llm_weights
 from dialogue.conversation import ChatRenderer, Conversations, Piece, Track, TrackMark, pieces_for
 from dialogue.kv_cache import CachedLM
-from dialogue.llm import LlmOptions, _torch_threads, stop_token_ids, text_delta
+from dialogue.llm import LlmOptions, stop_token_ids, text_delta
 from duplex.base.config import ComponentConfig, ConfigError
+from duplex.base.devices import torch_threads
 from duplex.base.messages import (
     ListenOutput,
     ListenStep,
@@ -271,7 +272,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
     # -- steps ------------------------------------------------------------------------------
 
     def step(self, state: DialogueState, chunk: Any) -> tuple[Any, DialogueState]:
-        with torch.inference_mode(), _torch_threads(self.threads_for(chunk)):
+        with torch.inference_mode(), torch_threads(self.threads_for(chunk)):
             if isinstance(chunk, ListenStep):
                 return self._listen(state, chunk), state
             if isinstance(chunk, OverlapStep):
@@ -293,7 +294,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         decode = [i for i, (_, c) in enumerate(items) if self._continues(c)]
         batched = set(listen) | set(decode)
         out: list[tuple[Any, DialogueState] | None] = [None] * len(items)
-        with torch.inference_mode(), _torch_threads(self.slow_options.threads):
+        with torch.inference_mode(), torch_threads(self.slow_options.threads):
             if listen:
                 results = self._listen_batch([(items[i][0], items[i][1]) for i in listen])
                 for i, o in zip(listen, results, strict=True):
@@ -556,7 +557,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         if self.drafter is None or self.verifier is None:
             raise ValueError("relay_draft: this engine has no drafter and verifier")
         state = self.init_state()
-        with torch.inference_mode(), _torch_threads(self.slow_options.threads):
+        with torch.inference_mode(), torch_threads(self.slow_options.threads):
             self._listen(state, ListenStep(history, text, prefill_slow=False, preclose=True))
             return self._draft(state, history + [{"role": "user", "content": text}], force=True)
 

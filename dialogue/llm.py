@@ -3,12 +3,10 @@ text deltas, the tokenizer's stop tokens, and a scoped torch thread count."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from duplex.base.config import ConfigError
@@ -80,17 +78,3 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
         if isinstance(i, int) and i != tokenizer.unk_token_id:
             ids.add(i)
     return frozenset(i for i in ids if isinstance(i, int))
-
-
-@contextmanager
-def _torch_threads(n: int | None) -> Iterator[None]:
-    # torch's intra-op pool is process-wide: set it only around our own work, then restore
-    if n is None or torch.get_num_threads() == n:
-        yield
-        return
-    prev = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)

@@ -5,7 +5,9 @@ fails the same clear way on a machine without CUDA, and never silently runs on t
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from duplex.base.config import ConfigError
@@ -45,3 +47,35 @@ def require_device(device: str, what: str = "llm") -> Any:
                 f"{torch.cuda.device_count()}; use cuda:0..cuda:{torch.cuda.device_count() - 1} or --profile cpu"
             )
     return torch.device(device)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `n` around a block, then the previous count back (None: unchanged).
+
+    A stage sets its own count around its own work: with the OpenMP backend the setting belongs to the
+    calling thread (an executor worker), and a stage with more threads than the cores left to it (the
+    dialogue engine's process takes one of two) makes every parallel region wait on the other."""
+    if n is None:
+        yield
+        return
+    import torch
+
+    if torch.get_num_threads() == n:
+        yield
+        return
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+def check_threads(value: Any, what: str) -> int | None:
+    """A `threads` option: None (the process's setting) or an int >= 1; ConfigError otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{what}: threads must be an integer >= 1 or null, not {value!r}")
+    return value

@@ -607,13 +607,13 @@ def test_pause_threads_run_only_the_steps_the_onset_waits_on(tokenizer, monkeypa
     import dialogue.engine as engine_mod
 
     seen: list[int | None] = []
-    real = engine_mod._torch_threads
+    real = engine_mod.torch_threads
 
     def record(n):
         seen.append(n)
         return real(n)
 
-    monkeypatch.setattr(engine_mod, "_torch_threads", record)
+    monkeypatch.setattr(engine_mod, "torch_threads", record)
     slow, drafter = tiny("qwen2", len(tokenizer), 4), tiny("llama", len(tokenizer), 5)
     texts = []
     for pause_threads in (None, 2):

@@ -365,3 +365,37 @@ def test_stage_on_an_explicit_device_equals_the_default() -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
         assert x.text == y.text and np.array_equal(x.audio, y.audio)
+
+
+def test_threads_option_holds_only_during_the_call() -> None:
+    """`threads` sets torch's intra-op threads around each call on the calling thread (the live server's
+    process keeps one per core for the others) and restores them after; the samples do not change."""
+    st = make_stage(threads=2)
+    seen: list[int] = []
+    real_step = st.model.step
+
+    def step(*a, **kw):
+        seen.append(torch.get_num_threads())
+        return real_step(*a, **kw)
+
+    st.model.step = step  # type: ignore[method-assign]
+    before = torch.get_num_threads()
+    a = run(st, ["Sure, the capital of France is Paris."])
+    assert seen and set(seen) == {2}
+    assert torch.get_num_threads() == before == 1
+    b = run(make_stage(), ["Sure, the capital of France is Paris."])
+    assert [c.text for c in a] == [c.text for c in b]
+    np.testing.assert_allclose(
+        np.concatenate([c.audio for c in a]), np.concatenate([c.audio for c in b]), atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "two", True])
+def test_threads_option_is_checked(tmp_path, bad) -> None:
+    from duplex.base.config import ConfigError
+
+    cfg = ComponentConfig(
+        name="tts", backend="flow", weights={"path": str(tmp_path)}, options={"threads": bad}
+    )
+    with pytest.raises(ConfigError, match="threads must be an integer >= 1"):
+        load_flow_tts_stage(cfg)
