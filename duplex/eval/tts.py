@@ -201,6 +201,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "long_answer": memory,
         "targets": TARGETS,
         "examples": [{"text": t, **{k: v[i] for k, v in hyp.items()}} for i, t in enumerate(sentences[:5])],
+        # every sentence's transcripts, so two runs can be compared sentence by sentence
+        "transcripts": [{"text": t, **{k: v[i] for k, v in hyp.items()}} for i, t in enumerate(sentences)],
     }
 
 
