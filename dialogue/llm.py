@@ -1,5 +1,5 @@
 """What the dialogue engine shares with its decoders: the LLM options (models.yaml `llm`), UTF-8-safe
-text deltas, the tokenizer's stop tokens, and a scoped torch thread count."""
+text deltas and the tokenizer's stop tokens (the scoped torch thread count is `duplex.base.devices.torch_threads`)."""
 
 from __future__ import annotations
 
