@@ -71,12 +71,15 @@ def test_read_heard_resumes_from_the_file(tmp_path):
 def test_the_natural_voice_set_never_speaks_in_a_held_out_voice():
     from asr.training.speakers import HELDOUT_NATURAL, available_engines
 
-    if not {"flite", "hibari"} & set(available_engines()):
+    installed = set(available_engines()) & set(H.NATURAL_SHARES)
+    if not installed:
         pytest.skip("no natural voice installed")
     voices = [H.natural_voice_for(f"sentence number {i}") for i in range(300)]
     assert voices[:20] == [H.natural_voice_for(f"sentence number {i}") for i in range(20)]  # pure
     assert not {v.name for v in voices} & set(HELDOUT_NATURAL)
-    assert all(v.engine in H.NATURAL_SHARES for v in voices) and len({v.engine for v in voices}) >= 2
+    # every natural engine installed here speaks some of 300 sentences, and no other engine does (a fresh
+    # machine without `make asr-voices` has hibari alone; with it, flite and Kokoro too)
+    assert {v.engine for v in voices} == installed
 
 
 def test_shipped_transcripts_cover_the_turn_examples():
