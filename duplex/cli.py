@@ -58,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
             {
                 "bulk_workers": args.workers,
                 "llm_process": False if args.llm_in_process else None,
+                "engine_lane": False if args.no_engine_lane else None,
                 **{name: getattr(args, name, None) for name in LIMIT_FLAGS},
             }
         )
@@ -200,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the dialogue engine in the server's own process (models.yaml limits.llm_process: false); "
         "by default it has a process of its own, away from the event loop's GIL",
+    )
+    s.add_argument(
+        "--no-engine-lane",
+        action="store_true",
+        help="the engine's steps share the bulk workers with ASR and TTS (models.yaml limits.engine_lane: false); "
+        "by default an engine in its own process has an executor lane of its own",
     )
     s.add_argument(
         "--api-key",

@@ -254,6 +254,7 @@ def _serve_in_process(
             limits = ServiceLimits(
                 bulk_workers=base.bulk_workers,
                 llm_process=base.llm_process,
+                engine_lane=base.engine_lane,
                 llm_gather_ms=base.llm_gather_ms,
                 heap_trim_s=base.heap_trim_s,
             )

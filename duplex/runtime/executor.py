@@ -6,7 +6,7 @@ same stage across sessions into one `step_batch` call. Overruns (a job finishing
 deadline) are counted per budget label and reported by `stats()`.
 
 A batching stage may have a gather window (`gather_ms`, the LLM's from `limits.llm_gather_ms`):
-after taking a job, a bulk worker waits up to that long for the same stage's jobs of other
+after taking a job, a bulk or remote worker waits up to that long for the same stage's jobs of other
 sessions that submitted one recently (a decode step's next job arrives a moment after the last
 batch's results went out), never past the first job's deadline, never while a job of another stage
 falls due first, and never on the realtime lane.
@@ -14,6 +14,12 @@ falls due first, and never on the realtime lane.
 Jobs are split into two lanes so that a long, unpreemptible job (an LLM prefill, a Moonshine
 transcription) can never delay the tiny real-time jobs (the VAD windows that detect barge-in):
 the `realtime` lane has its own worker. Within a lane the order is EDF.
+
+A stage that runs in another process (`remote_stages`: the dialogue engine behind
+`duplex.runtime.stage_process`) gets a lane of its own, the `remote` lane, with its own worker(s). Its
+worker only waits on a socket while the other process computes, so it must not hold the bulk worker
+meanwhile: on one bulk worker, a TTS chunk or a transcription that fell due during an LLM step used to
+wait for that step to end although a core was free for it.
 
 Fault isolation: a batch that raises is re-run job by job, so only the session whose input broke
 the stage fails; a result that fails its stage's `check` (NaN audio, say) fails that one job; a
@@ -110,6 +116,8 @@ class DeviceExecutor:
         *,
         bulk_workers: int = 1,
         realtime_stages: Sequence[str] = ("vad",),
+        remote_stages: Sequence[str] = (),
+        remote_workers: int = 1,
         max_batch: int = 16,
         clock: Callable[[], float] = time.monotonic,
         on_thread_start: Callable[[], None] | None = None,
@@ -119,10 +127,19 @@ class DeviceExecutor:
         on_restart: Callable[[str], None] | None = None,
         gather_ms: Mapping[str, float] | None = None,
     ) -> None:
-        """`gather_ms`: per stage name, how long a worker may wait to fill a batch (0: no wait)."""
+        """`gather_ms`: per stage name, how long a worker may wait to fill a batch (0: no wait).
+        `remote_stages`: stages whose steps run in another process; their jobs go to the `remote` lane and
+        its `remote_workers` threads instead of the bulk workers."""
         self._clock = clock
         self._stages: dict[str, StreamingStage[Any, Any, Any]] = {}
         self._realtime = set(realtime_stages)
+        self._remote = set(remote_stages)
+        if self._realtime & self._remote:
+            raise ValueError(
+                f"a stage cannot be both realtime and remote: {sorted(self._realtime & self._remote)}"
+            )
+        if self._remote and remote_workers < 1:
+            raise ValueError(f"remote_workers must be >= 1 with remote stages, got {remote_workers}")
         self._max_batch = max_batch
         self._gather: dict[str, float] = {}
         for stage_name, ms in (gather_ms or {}).items():
@@ -136,6 +153,8 @@ class DeviceExecutor:
         self._recent: dict[str, dict[str, float]] = {name: {} for name in self._gather}
         self._cv = threading.Condition()
         self._lanes = {"realtime": _Lane("realtime"), "bulk": _Lane("bulk")}
+        if self._remote:
+            self._lanes["remote"] = _Lane("remote")
         self._seq = itertools.count()
         self._stats: dict[str, LabelStats] = defaultdict(LabelStats)
         self._closed = False
@@ -155,6 +174,8 @@ class DeviceExecutor:
         self._spawn("realtime")
         for _ in range(bulk_workers):
             self._spawn("bulk")
+        for _ in range(remote_workers if self._remote else 0):
+            self._spawn("remote")
         if stage_timeout_s is not None:
             watchdog = threading.Thread(target=self._watchdog, name="exec-watchdog", daemon=True)
             watchdog.start()
@@ -173,6 +194,11 @@ class DeviceExecutor:
         if check is not None:
             self._checks[name or stage.kind] = check
 
+    def _lane_of(self, stage: str) -> str:
+        if stage in self._realtime:
+            return "realtime"
+        return "remote" if stage in self._remote else "bulk"
+
     def now(self) -> float:
         return self._clock()
 
@@ -181,7 +207,7 @@ class DeviceExecutor:
         if job.stage not in self._stages:
             raise KeyError(f"no stage registered as {job.stage!r}")
         job.submitted = self._clock()
-        lane = self._lanes["realtime" if job.stage in self._realtime else "bulk"]
+        lane = self._lanes[self._lane_of(job.stage)]
         with self._cv:
             if self._closed:
                 raise RuntimeError("executor is closed")
@@ -321,7 +347,7 @@ class DeviceExecutor:
 
     def _spawn(self, lane_name: str) -> None:
         token = next(self._tokens)
-        name = "exec-realtime" if lane_name == "realtime" else f"exec-bulk-{token}"
+        name = "exec-realtime" if lane_name == "realtime" else f"exec-{lane_name}-{token}"
         thread = threading.Thread(target=self._worker, args=(lane_name, token), name=name, daemon=True)
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
@@ -357,7 +383,7 @@ class DeviceExecutor:
                     if self._closed:
                         return
                     batch = self._take_batch(lane)
-                    gathered = self._gather_more(lane, batch) if lane_name == "bulk" else 0
+                    gathered = self._gather_more(lane, batch) if lane_name != "realtime" else 0
                     self._busy += 1
                     self._running[token] = (time.monotonic(), batch)
                 try:
@@ -402,7 +428,7 @@ class DeviceExecutor:
         for token, (started, batch) in self._running.items():
             if token not in self._abandoned and now - started > self._timeout:
                 self._abandoned.add(token)
-                lane = "realtime" if batch[0].stage in self._realtime else "bulk"
+                lane = self._lane_of(batch[0].stage)
                 self._replace(lane, "hang")
                 if len(batch) > 1:
                     # which job hangs is unknown: run each alone; only the culprit hangs again

@@ -240,8 +240,13 @@ class DuplexService:
             self.limits = dataclasses.replace(self.limits, max_sessions=n)
         self.clock = clock
         self.metrics = Metrics()
+        # an engine in its own process gets a lane of its own: while it computes there, TTS chunks and
+        # transcriptions run here instead of waiting behind its step (duplex/runtime/executor.py)
+        remote = ("llm",) if self.limits.engine_lane and isinstance(stages.llm, StageProcess) else ()
         self.executor = DeviceExecutor(
             bulk_workers=self.limits.bulk_workers,
+            remote_stages=remote,
+            remote_workers=self.limits.bulk_workers,
             clock=clock,
             stage_timeout_s=self.limits.stage_timeout_s,
             on_batch=self.metrics.observe_batch,

@@ -93,6 +93,56 @@ def test_a_long_bulk_job_never_delays_the_realtime_lane():
     ex.close()
 
 
+def test_a_remote_stage_step_never_holds_the_bulk_worker():
+    """The engine's step runs in another process: while it is in flight a TTS job runs on the bulk worker."""
+    gate = threading.Event()
+    ex = DeviceExecutor(bulk_workers=1, realtime_stages=("vad",), remote_stages=("llm",))
+    llm = Recorder("llm", gate=gate)
+    tts = Recorder("tts")
+    ex.register(llm)
+    ex.register(tts)
+    now = ex.now()
+    held = ex.submit(job("llm", "s1", "step", now + 0.01))
+    time.sleep(0.02)
+    # the llm job is blocked on its gate (the other process computing); the TTS job is due later and still runs
+    assert ex.submit(job("tts", "s2", "chunk", now + 1.0)).result(2) == ("CHUNK", 1)
+    assert not held.done()
+    assert ex.queue_depth() == {"realtime": 0, "bulk": 0, "remote": 0}
+    gate.set()
+    assert held.result(2) == ("STEP", 1)
+    names = {
+        t.name.rstrip("0123456789").rstrip("-") for t in threading.enumerate() if t.name.startswith("exec-")
+    }
+    assert {"exec-realtime", "exec-bulk", "exec-remote"} <= names
+    ex.close()
+
+
+def test_the_remote_lane_batches_and_orders_like_the_bulk_lane():
+    gate = threading.Event()
+    ex = DeviceExecutor(bulk_workers=1, realtime_stages=(), remote_stages=("llm",))
+    llm = Recorder("llm", gate=gate)
+    ex.register(llm)
+    now = ex.now()
+    first = ex.submit(job("llm", "s0", "a", now + 0.01))
+    time.sleep(0.05)
+    late = ex.submit(job("llm", "s1", "late", now + 5.0))
+    early = ex.submit(job("llm", "s2", "early", now + 0.5))
+    gate.set()
+    assert [f.result(5)[0] for f in (first, late, early)] == ["A", "LATE", "EARLY"]
+    assert llm.calls == [["a"], ["early", "late"]]
+    ex.close()
+
+
+def test_remote_lane_arguments_are_checked():
+    with pytest.raises(ValueError, match="both realtime and remote"):
+        DeviceExecutor(realtime_stages=("vad",), remote_stages=("vad",))
+    with pytest.raises(ValueError, match="remote_workers"):
+        DeviceExecutor(remote_stages=("llm",), remote_workers=0)
+    ex = DeviceExecutor(remote_workers=0)  # no remote stage: no remote lane, no worker needed
+    assert set(ex.queue_depth()) == {"realtime", "bulk"}
+    ex.close()
+
+
 def test_overruns_and_failures_are_counted_per_label_and_do_not_kill_workers():
     ex = DeviceExecutor(bulk_workers=1, realtime_stages=())
     st = Recorder("tts", delay=0.03)

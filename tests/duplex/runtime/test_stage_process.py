@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -258,3 +259,35 @@ def test_the_server_process_does_not_import_torch_for_its_command_line() -> None
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_the_service_gives_an_engine_in_its_own_process_a_lane_of_its_own(remote: StageProcess) -> None:
+    from duplex.base.config import load_profile
+    from duplex.runtime.service import DuplexService, ServiceLimits
+    from duplex.testing.fakes import fake_stages, scripted_answer
+
+    def lanes(stages, limits=None) -> set[str]:
+        service = DuplexService(load_profile("cpu"), stages, limits=limits)
+        try:
+            if stages.llm is remote:  # the llm stage's job runs on its lane
+                job = Job(
+                    stage="llm",
+                    label="llm",
+                    session_id="s",
+                    turn_id=1,
+                    state=remote.init_state(),
+                    chunk=2,
+                    deadline=0.0,
+                )
+                assert service.executor.submit(job).result(30)[0] == remote.step(remote.init_state(), 2)[0]
+            return set(service.executor.queue_depth())
+        finally:  # not service.close(): it would close the module's child process
+            service.executor.close()
+            service.heap.close()
+            service.gc_pauses.remove()
+
+    assert lanes(fake_stages(scripted_answer)) == {"realtime", "bulk"}  # an engine in this process: no lane
+    in_child = dataclasses.replace(fake_stages(scripted_answer), llm=remote)
+    assert lanes(in_child) == {"realtime", "bulk", "remote"}
+    # limits.engine_lane false: one bulk lane for everything, as before
+    assert lanes(in_child, ServiceLimits(engine_lane=False)) == {"realtime", "bulk"}
