@@ -58,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
             {
                 "bulk_workers": args.workers,
                 "llm_process": False if args.llm_in_process else None,
-                "engine_lane": False if args.no_engine_lane else None,
+                "engine_lane": True if args.engine_lane else None,
                 **{name: getattr(args, name, None) for name in LIMIT_FLAGS},
             }
         )
@@ -203,10 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
         "by default it has a process of its own, away from the event loop's GIL",
     )
     s.add_argument(
-        "--no-engine-lane",
+        "--engine-lane",
         action="store_true",
-        help="the engine's steps share the bulk workers with ASR and TTS (models.yaml limits.engine_lane: false); "
-        "by default an engine in its own process has an executor lane of its own",
+        help="give the engine in its own process an executor lane of its own, so ASR and TTS jobs never wait "
+        "behind its steps (models.yaml limits.engine_lane: true); by default they share the bulk workers",
     )
     s.add_argument(
         "--api-key",

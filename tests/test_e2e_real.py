@@ -178,5 +178,5 @@ def test_the_dialogue_engine_runs_in_a_process_of_its_own(live) -> None:
     stats = live.service.stats()["process"]
     assert stats["model_process_rss_mb"] > 100  # the two LLMs' weights live there
     assert stats["rss_mb"] > stats["model_process_rss_mb"]
-    # limits.engine_lane (default): its steps have an executor lane of their own, not the bulk worker ASR and TTS use
-    assert "remote" in live.service.executor.queue_depth()
+    # limits.engine_lane off (default): its steps share the bulk worker with ASR and TTS
+    assert "remote" not in live.service.executor.queue_depth()

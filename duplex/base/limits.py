@@ -73,9 +73,10 @@ class ServerLimits:
     # the dialogue engine (both LLMs, the turn heads, the verifier) runs in a process of its own, so its steps
     # do not wait for the GIL the event loop holds (duplex/runtime/stage_process.py); false: in this process
     llm_process: bool = True
-    # an engine in its own process gets an executor lane (and worker) of its own: while it computes there, ASR
-    # and TTS jobs run here instead of waiting behind its step (duplex/runtime/executor.py); false: one bulk lane
-    engine_lane: bool = True
+    # an engine in its own process gets an executor lane (and workers) of its own: while it computes there, ASR
+    # and TTS jobs run here instead of waiting behind its step (duplex/runtime/executor.py). Off: on 2 cores the
+    # overlap slowed the engine's steps more than it saved (docs/operations.md, "The engine's lane")
+    engine_lane: bool = False
 
     def with_overrides(self, overrides: dict[str, Any]) -> ServerLimits:
         """These limits with some replaced; unknown names or non-positive values raise ConfigError."""

@@ -17,9 +17,10 @@ the `realtime` lane has its own worker. Within a lane the order is EDF.
 
 A stage that runs in another process (`remote_stages`: the dialogue engine behind
 `duplex.runtime.stage_process`) gets a lane of its own, the `remote` lane, with its own worker(s). Its
-worker only waits on a socket while the other process computes, so it must not hold the bulk worker
-meanwhile: on one bulk worker, a TTS chunk or a transcription that fell due during an LLM step used to
-wait for that step to end although a core was free for it.
+worker only waits on a socket while the other process computes, so it need not hold the bulk worker
+meanwhile: on one bulk worker, a TTS chunk or a transcription that falls due during an LLM step waits
+for that step to end although a core may be free for it. The service does so with `limits.engine_lane`
+(off by default: on two cores the overlap slowed the engine's own steps more than it saved).
 
 Fault isolation: a batch that raises is re-run job by job, so only the session whose input broke
 the stage fails; a result that fails its stage's `check` (NaN audio, say) fails that one job; a

@@ -240,8 +240,8 @@ class DuplexService:
             self.limits = dataclasses.replace(self.limits, max_sessions=n)
         self.clock = clock
         self.metrics = Metrics()
-        # an engine in its own process gets a lane of its own: while it computes there, TTS chunks and
-        # transcriptions run here instead of waiting behind its step (duplex/runtime/executor.py)
+        # limits.engine_lane: an engine in its own process gets a lane of its own, so that TTS chunks and
+        # transcriptions run here while it computes there instead of waiting behind its step (off by default)
         remote = ("llm",) if self.limits.engine_lane and isinstance(stages.llm, StageProcess) else ()
         self.executor = DeviceExecutor(
             bulk_workers=self.limits.bulk_workers,

@@ -288,6 +288,5 @@ def test_the_service_gives_an_engine_in_its_own_process_a_lane_of_its_own(remote
 
     assert lanes(fake_stages(scripted_answer)) == {"realtime", "bulk"}  # an engine in this process: no lane
     in_child = dataclasses.replace(fake_stages(scripted_answer), llm=remote)
-    assert lanes(in_child) == {"realtime", "bulk", "remote"}
-    # limits.engine_lane false: one bulk lane for everything, as before
-    assert lanes(in_child, ServiceLimits(engine_lane=False)) == {"realtime", "bulk"}
+    assert lanes(in_child, ServiceLimits(engine_lane=True)) == {"realtime", "bulk", "remote"}
+    assert lanes(in_child) == {"realtime", "bulk"}  # limits.engine_lane off (default): one bulk lane for all

@@ -247,5 +247,5 @@ def test_a_true_or_false_limit_takes_only_true_or_false() -> None:
     assert ServerLimits().with_overrides({"llm_process": False}).llm_process is False
     with pytest.raises(ConfigError, match="true or false"):
         ServerLimits().with_overrides({"llm_process": 0})
-    assert ServerLimits().engine_lane is True
-    assert ServerLimits().with_overrides({"engine_lane": False}).engine_lane is False
+    assert ServerLimits().engine_lane is False
+    assert ServerLimits().with_overrides({"engine_lane": True}).engine_lane is True
