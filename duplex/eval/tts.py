@@ -9,6 +9,10 @@ and code usage, and the stage's compute (first chunk P50/P90, steady RTF, chunk 
 go to tts.json and tts.png, with the issue's targets beside them.
 
     duplex eval tts [-n 200] [--steps 2 4 8] [--profile cpu-flow] [--out docs/results/eval-tts]
+    duplex eval tts --flow CANDIDATE --parts flow --baseline docs/results/eval-tts/tts-pair3-flow.json
+
+`--baseline` compares the run with an earlier one on the same sentences (`duplex.eval.paired`): a candidate ships
+only if the interval of its difference lies below zero, not because its WER reads a few words lower.
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="what to transcribe (a quick A/B of candidates: codec flow)",
     )
     ap.add_argument("--out", default="eval-out", help="folder for tts.json and tts.png")
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        help="an earlier run's tts.json: each WER part both runs have is compared sentence by sentence "
+        "(a paired bootstrap: the difference and its 95 %% interval)",
+    )
     ap.add_argument("--no-progress", action="store_true")
 
 
@@ -252,12 +262,40 @@ def verdicts(res: dict[str, Any]) -> list[tuple[str, str, bool]]:
     return out
 
 
+def compare_to_baseline(res: dict[str, Any], baseline: dict[str, Any], name: str = "") -> dict[str, Any]:
+    """Each WER part of `res` that `baseline` (an earlier tts.json) also has, compared sentence by sentence over
+    the sentences both scored (they must be the same texts in the same order)."""
+    from duplex.eval.paired import paired_wer_difference
+
+    what = f"baseline {name}" if name else "the baseline"
+    mine, theirs = res["transcripts"], baseline.get("transcripts")
+    if not theirs:
+        raise ValueError(f"{what} has no transcripts (written before tts.json kept them)")
+    n = min(len(mine), len(theirs))
+    texts = [row["text"] for row in mine[:n]]
+    if texts != [row["text"] for row in theirs[:n]]:
+        raise ValueError(f"{what} scored other sentences than this run")
+    keys = [k for k in res["wer"] if k in theirs[0] and k in mine[0]]
+    if not keys:
+        raise ValueError(f"{what} has none of this run's parts ({', '.join(res['wer'])})")
+    parts = {
+        k: paired_wer_difference(texts, [r[k] for r in theirs[:n]], [r[k] for r in mine[:n]]) for k in keys
+    }
+    return {"file": name, "flow_step": baseline.get("flow_step"), "parts": parts}
+
+
 def report(res: dict[str, Any]) -> str:
+    from duplex.eval.paired import describe
+
     lines = [
         f"own voice vs hibari ({res['date']}, profile {res['profile']}, flow step {res['flow_step']}, n={res['n']})"
     ]
     lines += [f"  WER {k:<8} {100 * v:5.1f} %" for k, v in res["wer"].items()]
     lines += [f"  {'met ' if ok else 'MISS'} {what}: {val}" for what, val, ok in verdicts(res)]
+    if res.get("vs_baseline"):
+        vs = res["vs_baseline"]
+        lines += [f"  vs baseline {vs['file']} (flow step {vs['flow_step']}):"]
+        lines += [f"    {k:<8} {describe(d)}" for k, d in vs["parts"].items()]
     return "\n".join(lines)
 
 
@@ -294,7 +332,18 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    baseline = None
+    if getattr(args, "baseline", None):  # read it before an evaluation of many minutes, not after
+        try:
+            baseline = json.loads(Path(args.baseline).read_text())
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"eval tts: cannot read --baseline {args.baseline}: {exc}") from None
     res = evaluate(args)
+    if baseline is not None:
+        try:
+            res["vs_baseline"] = compare_to_baseline(res, baseline, args.baseline)
+        except ValueError as exc:
+            print(f"eval tts: not compared with the baseline: {exc}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tts.json").write_text(json.dumps(res, indent=1))
