@@ -243,6 +243,14 @@ class SpeechCodec(nn.Module):
         nz = self.nz_mean + (feats.nz * self.nz_std) @ self.nz_basis
         return f0, lh, nz
 
+    def envelope_coefs(self, name: str, envelope: torch.Tensor) -> torch.Tensor:
+        """A log-envelope `lh` or `nz` [..., 601] -> its normalised PCA coefficients [..., K], the decoder's
+        target (the inverse of `expand`'s projection, up to what K coefficients cannot hold)."""
+        if name not in ("lh", "nz"):
+            raise ValueError(f"no envelope {name!r} (lh or nz)")
+        mean, basis, std = (getattr(self, f"{name}_{k}") for k in ("mean", "basis", "std"))
+        return ((envelope - mean) @ basis.T) / std
+
     def latent_sha256(self) -> str:
         """`latent_fingerprint` of this model (equal to its exported file's `latent_sha256`)."""
         import json

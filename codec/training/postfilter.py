@@ -35,12 +35,6 @@ Example = tuple[np.ndarray, np.ndarray, np.ndarray]
 NAMES = ("lh", "nz")
 
 
-def _coefs(codec: SpeechCodec, name: str, x: np.ndarray) -> torch.Tensor:
-    x_t = torch.from_numpy(np.ascontiguousarray(x, np.float32))
-    mean, basis, std = (getattr(codec, f"{name}_{k}") for k in ("mean", "basis", "std"))
-    return ((x_t - mean) @ basis.T) / std
-
-
 @torch.no_grad()
 def envelope_stats(codec: SpeechCodec, examples: Iterable[Example]) -> dict[str, dict[str, torch.Tensor]]:
     """Per coefficient: the teacher's and the decoder's mean and std (`m_t`, `s_t`, `m_p`, `s_p`) and their
@@ -52,7 +46,7 @@ def envelope_stats(codec: SpeechCodec, examples: Iterable[Example]) -> dict[str,
         feats = codec.decode_features(codec.fsq(codec.encode_latent(mel[:, :t]))[0])
         for name, target in (("lh", lh), ("nz", nz)):
             pred = getattr(feats, name)[0]
-            tgt = _coefs(codec, name, target)
+            tgt = codec.envelope_coefs(name, torch.from_numpy(np.ascontiguousarray(target, np.float32)))
             m = min(len(pred), len(tgt))
             acc[name]["t"].append(tgt[:m])
             acc[name]["p"].append(pred[:m])

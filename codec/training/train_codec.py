@@ -122,10 +122,7 @@ class ExamplePool:
         n = min(mel.shape[0], len(raw["f0"]))
 
         def coefs(name: str) -> torch.Tensor:
-            x = torch.from_numpy(np.asarray(raw[name][:n], np.float32))
-            return ((x - getattr(m, f"{name}_mean")) @ getattr(m, f"{name}_basis").T) / getattr(
-                m, f"{name}_std"
-            )
+            return m.envelope_coefs(name, torch.from_numpy(np.asarray(raw[name][:n], np.float32)))
 
         out = {
             "mel": mel[:n].half(),

@@ -427,3 +427,26 @@ def test_a_run_keeps_the_shape_it_was_trained_or_initialised_with(tmp_path):
             resolve_config(saved, init, (5, 5, 5, 5), None)
     with pytest.raises(ValueError, match="groups"):
         resolve_config(None, None, None, 0)
+
+
+def test_envelope_coefs_invert_the_decoders_projection() -> None:
+    """The decoder's target (normalised PCA coefficients) and `expand`'s projection back to 601 bins agree."""
+    from codec.speech_codec import Features
+
+    m = tiny_codec()
+    with torch.no_grad():
+        m.lh_std.uniform_(0.5, 2.0)
+        m.nz_std.uniform_(0.5, 2.0)
+    g = torch.Generator().manual_seed(3)
+    k = TINY.n_pca
+    feats = Features(
+        torch.ones(1, 5),
+        torch.zeros(1, 5),
+        torch.randn(1, 5, k, generator=g),
+        torch.randn(1, 5, k, generator=g),
+    )
+    _, lh, nz = m.expand(feats)
+    assert torch.allclose(m.envelope_coefs("lh", lh), feats.lh, atol=1e-4)
+    assert torch.allclose(m.envelope_coefs("nz", nz), feats.nz, atol=1e-4)
+    with pytest.raises(ValueError, match="lh or nz"):
+        m.envelope_coefs("f0", lh)
