@@ -36,10 +36,7 @@ VOICED_HZ = 40.0
 
 
 def coefs(codec, name: str, x: np.ndarray) -> torch.Tensor:
-    x = torch.from_numpy(np.ascontiguousarray(x, np.float32))
-    return ((x - getattr(codec, f"{name}_mean")) @ getattr(codec, f"{name}_basis").T) / getattr(
-        codec, f"{name}_std"
-    )
+    return codec.envelope_coefs(name, torch.from_numpy(np.ascontiguousarray(x, np.float32)))
 
 
 @torch.no_grad()
