@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from codec.dsp_vocoder import HOP
 from codec.speech_codec import LOG_F0_MEAN, LOG_F0_STD, CodecConfig, Features, SpeechCodec
 from codec.training.hibari_teacher import merged_noise
 
@@ -196,9 +197,53 @@ def encoder_latents(model: SpeechCodec) -> LatentFn:
 
 
 # -- loss ---------------------------------------------------------------------------------------------
-def codec_loss(model: SpeechCodec, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+SPEC_EPS = 1e-3  # magnitude floor of the spectral loss's logs (about the median short-window magnitude)
+SPEC_WARMUP = 4  # crop frames the vocoder needs (pulse history, overlap-add) before its output counts
+SHORT_FFT, SHORT_HOP = 300, 75  # the spectral loss's second, short window (12.5 ms): onsets and bursts
+
+
+def spectral_loss(model: SpeechCodec, feats: Features, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Loss on what the vocoder makes of the features, against what it makes of the teacher's.
+
+    Both feature sets go through the codec's own vocoder from a fresh state (the same noise table, so
+    matching envelopes give matching noise); the predicted audio's pulses follow the decoder's own voicing
+    and F0 (detached: pitch keeps its regression loss), so the envelopes learn to sound right with the
+    pitch they will be played with. Two log-magnitude L1 terms: the 80-band log-mel of the codec's
+    front end (50 ms windows) and a 151-bin short-window spectrum (12.5 ms, four per frame). Frames the crop's start
+    cannot render (SPEC_WARMUP) and the last two (their windows reach past the crop) do not count."""
+    f0_p, lh_p, nz_p = model.expand(feats)
+    voiced = batch["f0"] > VOICED_HZ
+    f0_t = torch.where(voiced, batch["f0"], torch.zeros_like(batch["f0"]))
+    lh_t = model.lh_mean + (batch["lh"] * model.lh_std) @ model.lh_basis
+    nz_t = model.nz_mean + (batch["nz"] * model.nz_std) @ model.nz_basis
+    t = f0_p.shape[1]
+    d = model.cfg.output_delay
+    win = torch.hann_window(SHORT_FFT, device=f0_p.device)
+
+    def render(f0: torch.Tensor, lh: torch.Tensor, nz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        audio = model.vocoder(f0, lh, nz)[:, d : d + t * HOP]
+        short = torch.stft(audio, SHORT_FFT, SHORT_HOP, window=win, center=True, return_complex=True)
+        return torch.log(model.mel(audio).exp() + SPEC_EPS), torch.log(short.abs()[..., : t * 4] + SPEC_EPS)
+
+    with torch.no_grad():
+        target_mel, target_short = render(f0_t, lh_t, nz_t)
+        mask = batch["mask"].clone()
+        mask[:, :SPEC_WARMUP] = 0
+        mask[:, -2:] = 0
+    pred_mel, pred_short = render(f0_p.detach(), lh_p, nz_p)
+    l_mel = ((pred_mel - target_mel).abs().mean(-1) * mask).sum() / mask.sum().clamp(min=1)
+    short_mask = mask.repeat_interleave(HOP // SHORT_HOP, 1)[:, None, :]
+    err = (pred_short - target_short).abs()
+    l_short = (err * short_mask).sum() / (short_mask.sum() * err.shape[1]).clamp(min=1)
+    return l_mel + l_short
+
+
+def codec_loss(
+    model: SpeechCodec, batch: dict[str, torch.Tensor], spectral: float = 0.0
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of the decoder's features against the teacher's; the decoder reads the batch's `zq` when it has
-    one (a frozen encoder's latent made once, or another model's prediction of it), else the encoder's."""
+    one (a frozen encoder's latent made once, or another model's prediction of it), else the encoder's.
+    `spectral` > 0 adds that weight of `spectral_loss` (the vocoder's output against the teacher's)."""
     zq = batch["zq"] if "zq" in batch else model.fsq.quantize(model.encode_latent(batch["mel"]))
     feats: Features = model.decode_features(zq)
     mask = batch["mask"]
@@ -216,6 +261,9 @@ def codec_loss(model: SpeechCodec, batch: dict[str, torch.Tensor]) -> tuple[torc
         err = (getattr(feats, name) - batch[name]).abs() * w
         losses[name] = (err.mean(-1) * mask).sum() / denom
     total = losses["voicing"] + losses["f0"] + 2.0 * losses["lh"] + 2.0 * losses["nz"]
+    if spectral > 0:
+        losses["spectral"] = spectral_loss(model, feats, batch)
+        total = total + spectral * losses["spectral"]
     return total, {k: float(v.detach()) for k, v in losses.items()} | {"total": float(total.detach())}
 
 
@@ -259,9 +307,11 @@ class Trainer:
         device: str = "cpu",
         freeze_encoder: bool = False,
         latents: LatentFn | None = None,
+        spectral: float = 0.0,
         log: Callable[[str], None] = print,
     ) -> None:
         torch.manual_seed(seed)
+        self.spectral = spectral
         self.cfg, self.source, self.log = cfg, source, log
         self.batch_size, self.crop, self.lr, self.lr_halflife, self.warmup = (
             batch,
@@ -328,7 +378,7 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(self.step_n)
         self.model.train()
-        loss, parts = codec_loss(self.model, b)
+        loss, parts = codec_loss(self.model, b, self.spectral)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(self.trainable(), 1.0)
@@ -474,8 +524,10 @@ def plot_curves(run: Path) -> None:
     tr = [r for r in rows if r.get("kind") == "train"]
     ev = [r for r in rows if r.get("kind") == "gate"]
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for key in ("total", "lh", "nz", "f0", "voicing"):
-        ax[0].plot([r["step"] for r in tr], [r[key] for r in tr], label=key)
+    for key in ("total", "lh", "nz", "f0", "voicing", "spectral"):
+        have = [r for r in tr if key in r]
+        if have:
+            ax[0].plot([r["step"] for r in have], [r[key] for r in have], label=key)
     ax[0].set_yscale("log")
     ax[0].set_xlabel("step")
     ax[0].set_title("training loss")
@@ -568,6 +620,12 @@ def main(
         help="train the decoder only: the latent (and so a flow model trained on it) stays valid",
     )
     ap.add_argument(
+        "--spectral",
+        type=float,
+        default=0.0,
+        help="weight of a loss on the vocoder's output against the teacher features' (0: off)",
+    )
+    ap.add_argument(
         "--export", type=Path, default=None, help="export the run's EMA weights to this folder and exit"
     )
     if add_arguments is not None:
@@ -613,6 +671,7 @@ def main(
         seed=args.seed,
         device=args.device,
         freeze_encoder=freeze,
+        spectral=args.spectral,
         log=log,
     )
     if saved is not None:
@@ -690,7 +749,9 @@ def main(
             el = time.time() - start
             log(
                 f"step {trainer.step_n} loss {row['total']:.4f} (lh {row['lh']:.3f} nz {row['nz']:.3f} "
-                f"f0 {row['f0']:.3f} v {row['voicing']:.3f}) lr {row['lr']:.2e} pos {trainer.pos} {el / 60:.1f} min"
+                f"f0 {row['f0']:.3f} v {row['voicing']:.3f}"
+                + (f" spec {row['spectral']:.3f}" if "spectral" in row else "")
+                + f") lr {row['lr']:.2e} pos {trainer.pos} {el / 60:.1f} min"
             )
             acc, n_acc = {}, 0
         if time.time() - last_gate > args.gate_minutes * 60:

@@ -450,3 +450,70 @@ def test_envelope_coefs_invert_the_decoders_projection() -> None:
     assert torch.allclose(m.envelope_coefs("nz", nz), feats.nz, atol=1e-4)
     with pytest.raises(ValueError, match="lh or nz"):
         m.envelope_coefs("f0", lh)
+
+
+# -- training: the spectral loss (the vocoder's output against the teacher features') -------------------
+def _teacher_batch(m: SpeechCodec, b: int = 2, t: int = 48, seed: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    f0 = torch.where(torch.rand(b, t, generator=g) > 0.3, 150 + 60 * torch.rand(b, t, generator=g), 0.0)
+    return {
+        "f0": f0,
+        "lh": torch.randn(b, t, TINY.n_pca, generator=g),
+        "nz": torch.randn(b, t, TINY.n_pca, generator=g),
+        "mask": torch.ones(b, t),
+    }
+
+
+def _teacher_features(batch: dict[str, torch.Tensor]):
+    from codec.speech_codec import LOG_F0_MEAN, LOG_F0_STD, Features
+
+    voiced = batch["f0"] > 40
+    log_f0 = (torch.log(batch["f0"].clamp(min=40)) - LOG_F0_MEAN) / LOG_F0_STD
+    voicing = torch.where(voiced, 5.0, -5.0)
+    return Features(voicing, log_f0, batch["lh"].clone(), batch["nz"].clone())
+
+
+def test_spectral_loss_is_zero_for_the_teachers_own_features():
+    from codec.training.train_codec import spectral_loss
+
+    m = tiny_codec()
+    batch = _teacher_batch(m)
+    assert float(spectral_loss(m, _teacher_features(batch), batch)) < 1e-3
+
+
+def test_spectral_loss_trains_the_envelopes_and_leaves_pitch_to_its_own_loss():
+    from codec.training.train_codec import spectral_loss
+
+    m = tiny_codec()
+    batch = _teacher_batch(m)
+    feats = _teacher_features(batch)
+    g = torch.Generator().manual_seed(9)
+    feats.lh = (feats.lh + 2.0 * torch.randn(feats.lh.shape, generator=g)).requires_grad_()
+    feats.nz = (feats.nz + 2.0 * torch.randn(feats.nz.shape, generator=g)).requires_grad_()
+    feats.log_f0.requires_grad_()
+    opt = torch.optim.Adam([feats.lh, feats.nz], lr=0.05)
+    first = None
+    for _ in range(30):
+        loss = spectral_loss(m, feats, batch)
+        first = float(loss.detach()) if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        assert feats.log_f0.grad is None  # the pulses follow a detached F0
+        opt.step()
+    assert first > 0.05
+    assert float(spectral_loss(m, feats, batch).detach()) < 0.6 * first
+
+
+def test_a_spectral_run_reports_its_loss_and_resumes_exactly(tmp_path):
+    from codec.training.train_codec import save_checkpoint
+
+    a = make_trainer(spectral=1.0)
+    a.start()
+    parts = a.step()
+    assert parts["spectral"] > 0 and parts["total"] > parts["lh"] + parts["nz"]
+    save_checkpoint(tmp_path / "ck.pt", **a.state_dict())
+    expected = a.step()["total"]
+    b = make_trainer(spectral=1.0)
+    b.load_state_dict(torch.load(tmp_path / "ck.pt", weights_only=False))
+    b.start()
+    assert b.step()["total"] == pytest.approx(expected, rel=1e-6, abs=1e-7)
