@@ -223,7 +223,8 @@ def spectral_loss(model: SpeechCodec, feats: Features, batch: dict[str, torch.Te
     def render(f0: torch.Tensor, lh: torch.Tensor, nz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         audio = model.vocoder(f0, lh, nz)[:, d : d + t * HOP]
         short = torch.stft(audio, SHORT_FFT, SHORT_HOP, window=win, center=True, return_complex=True)
-        return torch.log(model.mel(audio).exp() + SPEC_EPS), torch.log(short.abs()[..., : t * 4] + SPEC_EPS)
+        per = HOP // SHORT_HOP
+        return torch.log(model.mel(audio).exp() + SPEC_EPS), torch.log(short.abs()[..., : t * per] + SPEC_EPS)
 
     with torch.no_grad():
         target_mel, target_short = render(f0_t, lh_t, nz_t)
