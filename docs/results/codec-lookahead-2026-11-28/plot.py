@@ -22,7 +22,9 @@ def rows(name: str) -> list[dict]:
 la, ctl = rows("metrics.jsonl"), rows("control-run3dec-metrics.jsonl")
 fig, ax = plt.subplots(figsize=(7, 4))
 ax.plot([r["step"] for r in ctl], [r["total"] for r in ctl], label="causal decoder (run3dec)", alpha=0.8)
-ax.plot([r["step"] for r in la], [r["total"] for r in la], label="one code frame of lookahead (la1)", alpha=0.8)
+ax.plot(
+    [r["step"] for r in la], [r["total"] for r in la], label="one code frame of lookahead (la1)", alpha=0.8
+)
 ax.set(xlabel="decoder step", ylabel="regression loss (train_codec)", ylim=(0.65, 0.9), xlim=(0, 7000))
 ax.set_title("decoder with lookahead: re-aligning from the shipped weights")
 ax.legend()
