@@ -239,9 +239,15 @@ class SpeechCodec(nn.Module):
             torch.exp(feats.log_f0 * LOG_F0_STD + LOG_F0_MEAN),
             torch.zeros_like(feats.log_f0),
         )
-        lh = self.lh_mean + (feats.lh * self.lh_std) @ self.lh_basis
-        nz = self.nz_mean + (feats.nz * self.nz_std) @ self.nz_basis
-        return f0, lh, nz
+        return f0, self.envelope("lh", feats.lh), self.envelope("nz", feats.nz)
+
+    def envelope(self, name: str, coefs: torch.Tensor) -> torch.Tensor:
+        """Normalised PCA coefficients [..., K] of `lh` or `nz` -> the log-envelope [..., 601] (the inverse of
+        `envelope_coefs`)."""
+        if name not in ("lh", "nz"):
+            raise ValueError(f"no envelope {name!r} (lh or nz)")
+        mean, basis, std = (getattr(self, f"{name}_{k}") for k in ("mean", "basis", "std"))
+        return mean + (coefs * std) @ basis
 
     def envelope_coefs(self, name: str, envelope: torch.Tensor) -> torch.Tensor:
         """A log-envelope `lh` or `nz` [..., 601] -> its normalised PCA coefficients [..., K], the decoder's

@@ -214,8 +214,7 @@ def spectral_loss(model: SpeechCodec, feats: Features, batch: dict[str, torch.Te
     f0_p, lh_p, nz_p = model.expand(feats)
     voiced = batch["f0"] > VOICED_HZ
     f0_t = torch.where(voiced, batch["f0"], torch.zeros_like(batch["f0"]))
-    lh_t = model.lh_mean + (batch["lh"] * model.lh_std) @ model.lh_basis
-    nz_t = model.nz_mean + (batch["nz"] * model.nz_std) @ model.nz_basis
+    lh_t, nz_t = model.envelope("lh", batch["lh"]), model.envelope("nz", batch["nz"])
     t = f0_p.shape[1]
     d = model.cfg.output_delay
     win = torch.hann_window(SHORT_FFT, device=f0_p.device)

@@ -28,37 +28,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 SHIPPED = "codec/weights/speech_codec.safetensors"
 SHIFT = 3  # feature frames per code frame: one code frame of lookahead
 
 
 def shifted_loss(model, batch, spectral: float = 0.0):
-    """train_codec.codec_loss with output frame j trained to the teacher's frame j - SHIFT."""
-    from codec.speech_codec import LOG_F0_MEAN, LOG_F0_STD
-    from codec.training.train_codec import VOICED_HZ
+    """train_codec.codec_loss with output frame j trained to the teacher's frame j - SHIFT: the targets (and
+    their mask) move SHIFT frames later, the first SHIFT frames masked out; the decoder reads the same `zq`."""
+    from codec.training.train_codec import codec_loss
 
-    feats = model.decode_features(batch["zq"])
-    cut = lambda x: x[:, SHIFT:]  # noqa: E731
-    tgt = {k: batch[k][:, :-SHIFT] for k in ("f0", "lh", "nz", "mask")}
-    mask = tgt["mask"]
-    voiced = (tgt["f0"] > VOICED_HZ).float()
-    denom = mask.sum().clamp(min=1)
-    l_v = (
-        F.binary_cross_entropy_with_logits(cut(feats.voicing), voiced, reduction="none") * mask
-    ).sum() / denom
-    vm = voiced * mask
-    log_f0 = (torch.log(tgt["f0"].clamp(min=VOICED_HZ)) - LOG_F0_MEAN) / LOG_F0_STD
-    l_f0 = (((cut(feats.log_f0) - log_f0) ** 2) * vm).sum() / vm.sum().clamp(min=1)
-    losses = {"voicing": l_v, "f0": l_f0}
-    for name in ("lh", "nz"):
-        std = getattr(model, f"{name}_std")
-        w = torch.sqrt(std / std.mean())
-        err = (cut(getattr(feats, name)) - tgt[name]).abs() * w
-        losses[name] = (err.mean(-1) * mask).sum() / denom
-    total = losses["voicing"] + losses["f0"] + 2.0 * losses["lh"] + 2.0 * losses["nz"]
-    return total, {k: float(v.detach()) for k, v in losses.items()} | {"total": float(total.detach())}
+    def late(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.zeros_like(x[:, :SHIFT]), x[:, :-SHIFT]], 1)
+
+    return codec_loss(model, batch | {k: late(batch[k]) for k in ("f0", "lh", "nz", "mask")}, spectral)
 
 
 def train(args: argparse.Namespace) -> None:
