@@ -84,6 +84,10 @@ class SlowOptions(LlmOptions):
         return _options(cls, raw, what)
 
 
+#: how a relay draft is checked (`DrafterOptions.relay_check`)
+RELAY_CHECKS = ("exact", "verifier", "grounded")
+
+
 @dataclass(frozen=True)
 class DrafterOptions:
     """Options of the `drafter` component: the fast path, the heads and the verifier."""
@@ -111,8 +115,10 @@ class DrafterOptions:
     per_session_quant: bool = False
     #: who decides what of a draft is spoken: "exact" (the slow model reads the draft in one forward
     #: and only the tokens it would have chosen itself are kept, then it goes on from its own next
-    #: token: the answer is the slow model's, started sooner) or "verifier" (the learned verifier
-    #: commits a draft's first words or none, and the slow model continues them)
+    #: token: the answer is the slow model's, started sooner), "verifier" (the learned verifier
+    #: commits a draft's first words or none, and the slow model continues them) or "grounded" (the
+    #: verifier, and only the draft's head that restates the caller's words is committed:
+    #: `verifier.grounded_prefix`; no fact can come from the drafter, and the slow model is not waited on)
     relay_check: str = "verifier"
     #: where the drafter, the turn heads and the verifier run: "cpu", "cuda" or "cuda:N" (as `llm`'s)
     device: str = "cpu"
@@ -140,8 +146,10 @@ def _options(cls: Any, raw: Mapping[str, Any], what: str) -> Any:
         value = getattr(opts, name, None)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ConfigError(f"{what}: {name} must be a whole number >= 1 or null, got {value!r}")
-    if getattr(opts, "relay_check", "exact") not in ("exact", "verifier"):
-        raise ConfigError(f"{what}: relay_check must be exact or verifier, got {opts.relay_check!r}")
+    if getattr(opts, "relay_check", "exact") not in RELAY_CHECKS:
+        raise ConfigError(
+            f"{what}: relay_check must be one of {', '.join(RELAY_CHECKS)}, got {opts.relay_check!r}"
+        )
     return opts
 
 
@@ -427,7 +435,9 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             if lead:  # no draft to relay
                 state.prefix, relay = lead, False
             if relay and self.drafter is not None and self.verifier is not None and state.drafter is not None:
-                relay_info = self._draft(state, msgs, getattr(step, "commit", None))
+                relay_info = self._draft(
+                    state, msgs, getattr(step, "commit", None), grounded=self._relay_check(step) == "grounded"
+                )
                 if self._exact_relay(step):
                     relay_info, prefill = self._check_draft(state, relay_info)
                     checked = True
@@ -483,11 +493,18 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
 
     # -- relay ------------------------------------------------------------------------------
 
+    def _relay_check(self, step: Any) -> str:
+        """The step's relay check (a session option), else the drafter's."""
+        return getattr(step, "relay_check", None) or self.drafter_options.relay_check
+
     def _exact_relay(self, step: Any) -> bool:
         """The slow model checks the draft (rather than the verifier): in-process slow model, and
         no commit forced by an evaluation."""
-        check = getattr(step, "relay_check", None) or self.drafter_options.relay_check
-        return check == "exact" and self.slow is not None and getattr(step, "commit", None) is None
+        return (
+            self._relay_check(step) == "exact"
+            and self.slow is not None
+            and getattr(step, "commit", None) is None
+        )
 
     def _check_draft(self, state: DialogueState, info: RelayInfo) -> tuple[RelayInfo, int]:
         """Speculative check of the draft by the slow model: prefill to the answer's start, read the
@@ -562,9 +579,16 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             return self._draft(state, history + [{"role": "user", "content": text}], force=True)
 
     def _draft(
-        self, state: DialogueState, msgs: list[dict[str, str]], force: bool | None = None
+        self,
+        state: DialogueState,
+        msgs: list[dict[str, str]],
+        force: bool | None = None,
+        grounded: bool = False,
     ) -> RelayInfo:
-        from dialogue.verifier import draft_stop, draft_veto, prefix_text, token_stats
+        """Draft the answer's first words with the drafter and decide what of them is committed: the
+        verifier's score against the threshold, the vetoes, and (`grounded`) only the head of the draft
+        that restates the caller's words."""
+        from dialogue.verifier import draft_stop, draft_veto, grounded_prefix, prefix_text, token_stats
 
         assert self.drafter is not None and state.drafter is not None
         t0 = time.perf_counter()
@@ -575,6 +599,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         stats: list[tuple[float, float, float]] = []
         ids: list[int] = []
         ended = False
+        user = last_user_text(msgs) or ""
         while len(ids) < o.draft_tokens:
             logits, h = track.cache.logits, track.cache.hidden
             assert logits is not None and h is not None
@@ -602,12 +627,14 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
             if rolling is not None and force is None:
                 rolling.observe(p)
         veto = (
-            draft_veto(
-                prefix, previous_answer(msgs), last_user_text(msgs), previous_request=previous_request(msgs)
-            )
+            draft_veto(prefix, previous_answer(msgs), user, previous_request=previous_request(msgs))
             if prefix.strip()
             else None
         )
+        if grounded and prefix.strip() and veto is None:
+            # at least the TTS's first phrase, or the committed words would wait for the slow model's
+            head = grounded_prefix(prefix, user, min_words=o.draft_words)
+            prefix, veto = (head, None) if head else (prefix, "ungrounded")
         committed = bool(prefix.strip()) and (p >= thr and veto is None if force is None else force)
         return RelayInfo(
             draft, prefix if committed else "", p, committed, time.perf_counter() - t0, ended, thr, veto

@@ -517,6 +517,84 @@ def _content(text: str) -> set[str]:
     return out
 
 
+#: words a grounded draft may say that the caller did not: they carry no fact of their own. The function
+#: words less those that answer, count or apologise ("yes", "no", "not", "one", "sorry": "I'm sorry, but
+#: I" opens a refusal) and the first person (below), plus auxiliaries and connectives ("has", "equals")
+#: and the openers of a reply that is not a fact ("Sure,", "Of course,", "I'm doing well").
+_GROUND_FREE = (_FUNCTION_WORDS - {"yes", "no", "not", "one", "sorry", "excuse"}) | frozenset(
+    "has have had having equals equal sure certainly okay ok well oh hello hi hey thanks thank course "
+    "glad happy here's let let's doing fine good great".split()
+)
+#: the speaker's own person: a draft in it answers as the service ("I live on the" to "Which planet do
+#: we live on?", "I'm a color." to "What colour do you get when you mix red and white?"), which a
+#: grounded draft may only do when the caller spoke to the service ("How are you?", "Can you ...")
+_FIRST_PERSON = frozenset("i i'm i've i'll i'd my mine myself".split())
+_TO_SERVICE = frozenset("your yours yourself you're you've".split())
+_ASKS_SERVICE = frozenset("are can could would will have did were about thank".split())
+_YOU_VERBS = frozenset("like love think know feel want remember prefer enjoy believe mean understand".split())
+_SPELLING = {"colour": "color", "favourite": "favorite", "grey": "gray", "centre": "center", "metre": "meter"}
+
+
+def _forms(word: str) -> set[str]:
+    """A word and the forms it may take with a plural or third-person ending, British spellings unified:
+    "makes" meets "make", "bees" "bee", "flies" "fly", "colour" "color"."""
+    w = _SPELLING.get(word, word)
+    out = {w}
+    if len(w) > 3 and w.endswith("s") and not w.endswith("ss"):
+        out.add(w[:-1])
+        if w.endswith("es"):
+            out.add(w[:-2])
+        if w.endswith("ies"):
+            out.add(w[:-3] + "y")
+    return out
+
+
+def addresses_service(said: Sequence[str]) -> bool:
+    """The caller speaks to the service ("How are you?", "Can you ...", "What's your name?", "Do you like
+    ..."), not of people in general ("What colour do you get when you mix ...?")."""
+    if _TO_SERVICE & set(said):
+        return True
+    for i, w in enumerate(said):
+        if w != "you":
+            continue
+        before = said[i - 1] if i else ""
+        after = said[i + 1] if i + 1 < len(said) else ""
+        if before in _ASKS_SERVICE or after == "are" or (before in ("do", "don't") and after in _YOU_VERBS):
+            return True
+    return False
+
+
+def grounded_prefix(prefix: str, user_text: str, min_words: int = 2) -> str:
+    """The longest head of `prefix` that states nothing the caller did not say (`relay_check:
+    grounded`), or "" when that is under `min_words` words.
+
+    Every word of the head is the caller's own (up to a plural or verb ending and British spelling: "Bees
+    are", "A cow makes a" to "What sound does a cow make?", "Grass is a color") or one that carries no fact
+    (`_GROUND_FREE`); the first person only where the caller spoke to the service. So a committed draft
+    restates the question and the slow model says the fact, and the drafter's slips stay out of the
+    answer whoever the slow model is ("Bees are made of" to "What do bees make?" becomes "Bees are"; "The
+    sky is black" becomes "The sky is"; "The barber is a" to "Which animal barks?" and "I'm a color." are
+    not committed). The head ends where a word of the draft ends, with the punctuation that closes it."""
+    said = words(user_text)
+    own = set().union(*(_forms(w) for w in said)) if said else set()
+    addressed = addresses_service(said)
+    end, kept = 0, 0
+    for a, b in complete_words(prefix, ended=True):
+        w = prefix[a:b].lower().replace("\u2019", "'")
+        if w in _FIRST_PERSON:
+            ok = addressed
+        else:
+            ok = w in _GROUND_FREE or bool(_forms(w) & own)
+        if not ok:
+            break
+        end, kept = b, kept + 1
+    if kept < min_words:
+        return ""
+    while end < len(prefix) and prefix[end] in _CLOSING:
+        end += 1
+    return prefix[:end].strip()
+
+
 def carries_interrupted_topic(
     prefix: str, user_text: str | None, previous: str | None, previous_request: str | None = None
 ) -> bool:

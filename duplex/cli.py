@@ -376,8 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--compare-relay",
         action="store_true",
-        help="the same conversation three times on one server: relay off, checked exactly by the slow "
-        "model, checked by the learned verifier (OUT/relay-*/ and OUT/compare-relay.txt)",
+        help="the same conversation four times on one server: relay off, checked exactly by the slow "
+        "model, by the learned verifier, and by the verifier with only the draft's words that restate the "
+        "caller's committed (OUT/relay-*/ and OUT/compare-relay.txt)",
     )
     b.add_argument(
         "--compare-early",

@@ -67,7 +67,7 @@ class SessionOptions:
     backchannel_interval_ms: int = 6000
     #: fast drafter + verifier start each answer (false: the slow model answers alone)
     relay: bool = True
-    #: how the relay's draft is checked: "exact" or "verifier" (dialogue.engine.DrafterOptions);
+    #: how the relay's draft is checked: "exact", "verifier" or "grounded" (dialogue.engine.DrafterOptions);
     #: "" = the profile's drafter option
     relay_check: str = ""
     #: a streaming ASR's end-of-utterance signal (its decoder heard no word for `eou_silence_ms`)
@@ -127,8 +127,10 @@ class SessionOptions:
                     raise ConfigError("vad_threshold must be a number in [0.05, 0.95]")
                 clean[key] = float(value)
             elif key == "relay_check":
-                if value not in ("", "exact", "verifier"):
-                    raise ConfigError('relay_check must be "exact", "verifier" or "" (the profile\'s)')
+                if value not in ("", "exact", "verifier", "grounded"):
+                    raise ConfigError(
+                        'relay_check must be "exact", "verifier", "grounded" or "" (the profile\'s)'
+                    )
                 clean[key] = value
             elif key == "speech_end_db":
                 if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 60:

@@ -103,8 +103,9 @@ class RespondStep:
     #: first step only: decode until the answer holds a first phrase of this many words (the TTS's
     #: rule, `duplex.base.phrases.first_phrase_ready`) instead of `max_tokens` tokens; 0: `max_tokens`
     phrase_words: int = 0
-    #: who checks the draft: "exact" (the slow model keeps what it would say itself) or "verifier"
-    #: (the learned verifier commits a prefix); None: the drafter's `relay_check` option
+    #: who checks the draft: "exact" (the slow model keeps what it would say itself), "verifier" (the
+    #: learned verifier commits a prefix) or "grounded" (the verifier, and only the prefix's head that
+    #: restates the caller's words); None: the drafter's `relay_check` option
     relay_check: str | None = None
 
 

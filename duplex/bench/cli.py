@@ -451,6 +451,7 @@ RELAY_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("relay-off", {"relay": False}),
     ("relay-exact", {"relay": True, "relay_check": "exact"}),
     ("relay-verifier", {"relay": True, "relay_check": "verifier"}),
+    ("relay-grounded", {"relay": True, "relay_check": "grounded"}),
 )
 #: `--compare-early`: answers prepared from the words heard while the user talks, off and on
 EARLY_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -486,7 +487,8 @@ def _compare_sessions(
 ) -> int:
     """--compare-relay / --compare-early / --compare-acoustic-hold / --compare-speech-end: the same conversation once per variant of the session options, each
     in its own session on the same server; one results folder per variant (OUT/<variant>) and a table of what
-    each buys: onset, facts right, wrong facts from a draft, pauses taken, memory, drafts kept, early answers."""
+    each buys: onset, facts right, wrong facts from a draft, pauses taken, memory, drafts kept, early answers,
+    answers with a gap inside."""
     rows: list[tuple[str, dict[str, Any]]] = []
     w = max(16, 2 + max(len(name) for name, _ in variants))
     for name, variant in variants:
@@ -509,7 +511,7 @@ def _compare_sessions(
     lines = [
         "",
         f"{'variant':<{w}}{'onset P50':>10}{'P90':>8}{'n':>5}{'facts':>9}{'from draft':>12}"
-        f"{'pauses taken':>14}{'memory':>9}{'drafts kept':>13}{'early':>7}",
+        f"{'pauses taken':>14}{'memory':>9}{'drafts kept':>13}{'early':>7}{'gaps':>10}",
     ]
     for name, sm in rows:
         on = sm.get("onset_s") or {}
@@ -524,9 +526,14 @@ def _compare_sessions(
             f"{name:<{w}}{_ms(on.get('p50')):>10}{_ms(on.get('p90')):>8}{on.get('n', 0):>5}{rate(facts):>9}"
             f"{facts.get('wrong_from_draft', '-')!s:>12}{rate(pauses):>14}{rate(memory):>9}"
             f"{sm.get('relay_committed', 0)!s:>6}/{sm.get('relay_drafted', 0)!s:<6}"
-            f"{sm.get('early_answers', 0)!s:>7}"
+            f"{sm.get('early_answers', 0)!s:>7}{_gaps(sm.get('answer_gaps')):>10}"
         )
     return _save_comparison(Path(args.out), title, lines, rows)
+
+
+def _gaps(g: dict[str, Any] | None) -> str:
+    """Answers with a gap inside (a client playing them ran dry) of the answers played: "3/40"."""
+    return "-" if not g else f"{g['answers_with_gaps']}/{g['answers']}"
 
 
 def _compare_tts(

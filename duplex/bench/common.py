@@ -621,3 +621,66 @@ class InProcessServer:
             loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+
+#: a stretch shorter than this is not counted as a gap (the client's timestamps jitter by a few ms)
+MIN_GAP_S = 0.01
+
+
+# -- gaps inside an answer's audio -----------------------------------------------------------
+
+
+def playback_gaps(
+    frames: Sequence[tuple[float, float]], min_gap_s: float = MIN_GAP_S
+) -> list[tuple[float, float]]:
+    """(arrival time, gap s) for each underrun of a client that plays one answer's frames, given as
+    (arrival time, duration s) in order, from the first frame's arrival: a frame that arrives after
+    the audio before it has finished playing leaves the speaker silent until it arrives."""
+    gaps: list[tuple[float, float]] = []
+    if not frames:
+        return gaps
+    play_until = frames[0][0]
+    for t, dur in frames:
+        if t > play_until:
+            if t - play_until >= min_gap_s:
+                gaps.append((t, t - play_until))
+            play_until = t
+        play_until += dur
+    return gaps
+
+
+def answer_audio(log_: Sequence[Rx]) -> list[tuple[int | None, list[tuple[float, float]]]]:
+    """Each answer's frames (arrival time, duration) by turn id: from `response.audio.started` to its
+    `response.done` or `response.interrupted`, the next answer, or the user's next `speech.started`
+    (the server then holds the answer's audio on purpose while it judges the overlap)."""
+    answers: list[tuple[int | None, list[tuple[float, float]]]] = []
+    current: list[tuple[float, float]] | None = None
+    for r in log_:
+        if r.is_audio:
+            if current is not None:
+                current.append((r.t, r.audio_s))
+        elif r.is_event("response.audio.started"):
+            current = []
+            answers.append(((r.event or {}).get("turn_id"), current))
+        elif (
+            r.is_event("response.done") or r.is_event("response.interrupted") or r.is_event("speech.started")
+        ):
+            current = None
+    return answers
+
+
+def answer_gaps(log_: Sequence[Rx], min_gap_s: float = MIN_GAP_S) -> dict[str, Any]:
+    """Gaps inside every answer of one session's log: how many answers, gaps, the worst (ms), and
+    each gap's arrival time (for a soak's timeline)."""
+    answers = [frames for _, frames in answer_audio(log_) if frames]
+    per = [playback_gaps(frames, min_gap_s) for frames in answers]
+    flat = [g for gaps in per for g in gaps]
+    return {
+        "answers": len(answers),
+        "answers_with_gaps": sum(1 for gaps in per if gaps),
+        "count": len(flat),
+        "worst_ms": round(max((g for _, g in flat), default=0.0) * 1000, 1),
+        "total_ms": round(sum(g for _, g in flat) * 1000, 1),
+        "times": [round(t, 3) for t, _ in flat],
+        "gaps_ms": [round(g * 1000, 1) for _, g in flat],
+    }

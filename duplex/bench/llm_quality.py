@@ -83,6 +83,7 @@ def answer_with_relay(
     """`answer` with the first `RespondStep`'s options (`relay`, `relay_check`) and the listen step's
     `preclose` chosen; also the first step's `RelayInfo` (None without a draft)."""
     from duplex.base.messages import ListenStep, RespondStep
+    from duplex.base.phrases import PhraseSegmenter
 
     state = stage.init_state()
     stage.step(state, ListenStep(history, text, preclose=preclose))
@@ -95,13 +96,24 @@ def answer_with_relay(
     first = time.perf_counter() - t0
     relay = out.relay
     text_out, tokens = out.text, out.n_tokens
+    # when the TTS could start the answer's first and second phrases (a committed draft shorter than a
+    # phrase waits for the slow model's words); after a committed draft the slow model's words must be
+    # there before the draft's phrase has been spoken, or the seam is a pause
+    segmenter = PhraseSegmenter(FIRST_PHRASE_WORDS)
+    phrases, seg = segmenter.step(segmenter.init_state(), out.text, out.done)
+    ready = [first] * len(phrases)
     while not out.done:
         out, state = stage.step(state, RespondStep(None, opts.step_tokens))
         text_out += out.text
         tokens += out.n_tokens
+        more, seg = segmenter.step(seg, out.text, out.done)
+        phrases += more
+        ready += [time.perf_counter() - t0] * len(more)
     return {
         "answer": text_out.strip(),
         "first_phrase_s": round(first, 4),
+        "phrase_ready_s": [round(t, 4) for t in ready[:2]],
+        "first_phrase": phrases[0] if phrases else "",
         "total_s": round(time.perf_counter() - t0, 4),
         "tokens": tokens,
     }, relay

@@ -34,20 +34,23 @@ import numpy as np
 from duplex.bench.common import (
     INTERRUPTIONS,
     LONG_PROMPTS,
+    MIN_GAP_S,
     QUESTIONS,
     BenchError,
     HibariSynth,
     Progress,
-    Rx,
     Synth,
+    answer_audio,
+    answer_gaps,
     count_leaks,
     fetch_stats,
     percentiles,
+    playback_gaps,
 )
+
+__all__ = ["MIN_GAP_S", "answer_audio", "answer_gaps", "playback_gaps"]  # their home was here
 from duplex.bench.serve import SessionPlan, SessionRefused, SessionRun, plan_session, run_session, synthesise
 
-#: a stretch shorter than this is not counted as a gap (the client's timestamps jitter by a few ms)
-MIN_GAP_S = 0.01
 DEFAULT_LEAD_MS = 120  # `playout_lead_ms` of the profile, when session.started does not say
 DEFAULT_STAGGER_S = 1.5
 #: the barge-in target of a load level: the single-session bench's P50 target, applied to the P90
@@ -83,65 +86,6 @@ def parse_duration(text: str) -> float:
     if m is None or float(m.group(1)) <= 0:
         raise BenchError(f"a duration is a positive number with s, m or h (90s, 10m), got {text!r}")
     return float(m.group(1)) * _UNITS[m.group(2)]
-
-
-# -- gaps inside an answer's audio -----------------------------------------------------------
-
-
-def playback_gaps(
-    frames: Sequence[tuple[float, float]], min_gap_s: float = MIN_GAP_S
-) -> list[tuple[float, float]]:
-    """(arrival time, gap s) for each underrun of a client that plays one answer's frames, given as
-    (arrival time, duration s) in order, from the first frame's arrival: a frame that arrives after
-    the audio before it has finished playing leaves the speaker silent until it arrives."""
-    gaps: list[tuple[float, float]] = []
-    if not frames:
-        return gaps
-    play_until = frames[0][0]
-    for t, dur in frames:
-        if t > play_until:
-            if t - play_until >= min_gap_s:
-                gaps.append((t, t - play_until))
-            play_until = t
-        play_until += dur
-    return gaps
-
-
-def answer_audio(log_: Sequence[Rx]) -> list[tuple[int | None, list[tuple[float, float]]]]:
-    """Each answer's frames (arrival time, duration) by turn id: from `response.audio.started` to its
-    `response.done` or `response.interrupted`, the next answer, or the user's next `speech.started`
-    (the server then holds the answer's audio on purpose while it judges the overlap)."""
-    answers: list[tuple[int | None, list[tuple[float, float]]]] = []
-    current: list[tuple[float, float]] | None = None
-    for r in log_:
-        if r.is_audio:
-            if current is not None:
-                current.append((r.t, r.audio_s))
-        elif r.is_event("response.audio.started"):
-            current = []
-            answers.append(((r.event or {}).get("turn_id"), current))
-        elif (
-            r.is_event("response.done") or r.is_event("response.interrupted") or r.is_event("speech.started")
-        ):
-            current = None
-    return answers
-
-
-def answer_gaps(log_: Sequence[Rx], min_gap_s: float = MIN_GAP_S) -> dict[str, Any]:
-    """Gaps inside every answer of one session's log: how many answers, gaps, the worst (ms), and
-    each gap's arrival time (for a soak's timeline)."""
-    answers = [frames for _, frames in answer_audio(log_) if frames]
-    per = [playback_gaps(frames, min_gap_s) for frames in answers]
-    flat = [g for gaps in per for g in gaps]
-    return {
-        "answers": len(answers),
-        "answers_with_gaps": sum(1 for gaps in per if gaps),
-        "count": len(flat),
-        "worst_ms": round(max((g for _, g in flat), default=0.0) * 1000, 1),
-        "total_ms": round(sum(g for _, g in flat) * 1000, 1),
-        "times": [round(t, 3) for t, _ in flat],
-        "gaps_ms": [round(g * 1000, 1) for _, g in flat],
-    }
 
 
 def merge_gaps(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -68,6 +68,12 @@ def format_table(result: dict[str, Any]) -> str:
         f"response.interrupted: {s['leaked_frames_total']}; VAD-split turns: {s['split_turns']}; barge-ins "
         f"not measurable (answer audio stalled at the interruption): {s['barge_ins_stalled']}"
     )
+    if s.get("answer_gaps") is not None:
+        g = s["answer_gaps"]
+        lines.append(
+            f"gaps inside answers (a client playing them runs dry): {g['count']} in {g['answers_with_gaps']} of "
+            f"{g['answers']} answers, worst {g['worst_ms']:.0f} ms"
+        )
     if s.get("relay_drafted"):
         lines.append(
             f"relay: {s['relay_committed']} of {s['relay_drafted']} answers started by the drafter "

@@ -76,6 +76,7 @@ from duplex.bench.common import (
     Mic,
     Progress,
     Synth,
+    answer_gaps,
     cancel_tasks,
     count_leaks,
     fetch_stats,
@@ -418,6 +419,8 @@ def session_summary(run: SessionRun) -> dict[str, Any]:
     summary = _summary(conv.turns, conv.barge_ins)
     summary.update(case_summary(conv.facts, conv.pauses, conv.memory))
     summary["leaked_frames_total"] = count_leaks(run.rx.log)
+    # where a client playing each answer would have run dry (a relay's seam with a slow model behind it)
+    summary["answer_gaps"] = {k: v for k, v in answer_gaps(run.rx.log).items() if k != "times"}
     summary["client"] = {
         "mic_max_lag_ms": round(run.mic.max_lag_s * 1000, 1),
         "server_errors": [r.event for r in run.rx.log if r.is_event("error")],

@@ -356,6 +356,63 @@ def test_a_vetoed_draft_is_not_committed_whatever_its_score(tokenizer, monkeypat
     assert out.relay.committed
 
 
+def _relay_answer(tokenizer, slow, drafter, opts, msgs, relay_check, verifier):
+    """The whole answer to `msgs` with the relay checked by `relay_check`, and its first step's RelayInfo."""
+    stage = DialogueStage(
+        slow,
+        tokenizer,
+        opts,
+        drafter,
+        tokenizer,
+        DrafterOptions(draft_words=3),
+        _Heads(),
+        None,
+        verifier,
+        0.5,
+    )
+    out, state = stage.step(stage.init_state(), RespondStep(msgs, 4, relay_check=relay_check))
+    info, text = out.relay, out.text
+    while not out.done:
+        out, state = stage.step(state, RespondStep(None, 4))
+        text += out.text
+    return info, text
+
+
+@pytest.mark.parametrize("head", ["", "first"])
+def test_grounded_relay_commits_only_the_head_that_restates_the_caller(tokenizer, monkeypatch, head):
+    """relay_check "grounded": the verifier's commit is cut to `grounded_prefix`'s head (asked for at
+    least the drafter's `draft_words`, the TTS's first phrase) and the slow model goes on from that head;
+    with no such head the draft is vetoed ("ungrounded") and the slow model answers alone."""
+    import dialogue.verifier as V
+
+    seen = []
+
+    def grounded(prefix, user_text, min_words=2):
+        seen.append((prefix, user_text, min_words))
+        return prefix.split()[0] if head else ""
+
+    monkeypatch.setattr(V, "grounded_prefix", grounded)
+    slow, drafter = tiny("qwen2", len(tokenizer), 4), tiny("llama", len(tokenizer), 5)
+    opts = SlowOptions(system_prompt=SYSTEM, max_new_tokens=16)
+    question = "what is the capital of france"
+    msgs = [{"role": "user", "content": question}]
+    slow_only, _ = DialogueStage(slow, tokenizer, opts).generate(msgs, relay=False)
+
+    # the verifier alone commits the whole prefix; no grounding asked
+    info, _ = _relay_answer(tokenizer, slow, drafter, opts, msgs, "verifier", _Verifier(0.99))
+    assert info.committed and not seen
+    full = info.prefix
+    info, text = _relay_answer(tokenizer, slow, drafter, opts, msgs, "grounded", _Verifier(0.99))
+    # the commit is asked of the verifier's prefix, for at least the first phrase's words
+    assert seen == [(full, question, 3)]
+    if head:
+        assert info.committed and info.veto is None and info.prefix == full.split()[0]
+        assert text.startswith(info.prefix) and info.draft.startswith(info.prefix)
+    else:
+        assert info.veto == "ungrounded" and not info.committed and info.prefix == ""
+        assert text == slow_only  # a discarded draft leaves no trace in the answer
+
+
 def prefix_text_of(info) -> str:
     from dialogue.verifier import prefix_text
 

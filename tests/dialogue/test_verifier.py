@@ -444,3 +444,51 @@ def test_prefix_ends_word(draft: str, prefix: str, ended: bool, whole: bool) -> 
     from dialogue.verifier import prefix_ends_word
 
     assert prefix_ends_word(draft, prefix, ended) is whole
+
+
+@pytest.mark.parametrize(
+    ("draft", "question", "head"),
+    [
+        # the caller's words, up to plural / verb endings and British spelling, plus words with no fact
+        ("The capital of Italy", "What is the capital of Italy?", "The capital of Italy"),
+        ("A cow makes a", "What sound does a cow make?", "A cow makes a"),
+        ("Grass is a color", "What colour is grass?", "Grass is a color"),
+        ("An insect has approximately", "How many legs does an insect have?", "An insect has"),
+        ("Two plus two equals", "What is two plus two?", "Two plus two equals"),
+        # the drafter's slips (live, under the 1.5B slow model) stop at the first word the caller did not say
+        ("Bees are made of", "What do bees make?", "Bees are"),
+        ("The sky is black", "Could you tell me what color the sky is", "The sky is"),
+        ("Monday is Friday.", "What day comes after Monday?", "Monday is"),
+        ("The barber is a", "Which animal barks?", ""),
+        ("Coimber is a color", "What colour is coal?", ""),
+        ("91.", "What is nine plus one?", ""),
+        # numbers, yes / no and apologies are facts (or refusals) the caller did not say
+        ("No, the sun", "Is the sun a planet?", ""),
+        ("I'm sorry, but I", "How are you today?", ""),
+        # the first person only when the caller speaks to the service
+        ("I live on the", "Which planet do we live on?", ""),
+        ("I'm a color.", "What colour do you get when you mix red and white?", ""),
+        ("I'm doing well!", "How are you today?", "I'm doing well!"),
+        ("My name is", "What is your name?", "My name is"),
+    ],
+)
+def test_a_grounded_draft_says_nothing_the_caller_did_not(draft: str, question: str, head: str) -> None:
+    assert V.grounded_prefix(draft, question) == head
+
+
+def test_a_grounded_head_shorter_than_asked_is_no_head() -> None:
+    assert V.grounded_prefix("Bees are made of", "What do bees make?", min_words=3) == ""
+    assert V.grounded_prefix("A cow makes a", "What sound does a cow make?", min_words=3) == "A cow makes a"
+    assert V.grounded_prefix("The force pulling down", "What force pulls things down?", min_words=1) == (
+        "The force"
+    )
+
+
+def test_who_the_caller_speaks_to() -> None:
+    def to_service(text: str) -> bool:
+        return V.addresses_service(V.words(text))
+
+    assert to_service("How are you today?") and to_service("Can you recommend a good book?")
+    assert to_service("What's your name?") and to_service("Do you like music?")
+    assert not to_service("What colour do you get when you mix red and white?")
+    assert not to_service("Which planet do we live on?") and not to_service("")

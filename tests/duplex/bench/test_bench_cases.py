@@ -342,13 +342,16 @@ def test_compare_relay_runs_each_variant_on_one_server(tmp_path) -> None:
         server.stop()
         service.close()
     assert rc == 0
-    assert stages.llm.relays == [False, True, True]
-    assert stages.llm.relay_checks == [None, "exact", "verifier"]
+    names = ("relay-off", "relay-exact", "relay-verifier", "relay-grounded")
+    assert stages.llm.relays == [False, True, True, True]
+    assert stages.llm.relay_checks == [None, "exact", "verifier", "grounded"]
     table = (tmp_path / "compare-relay.txt").read_text()
-    assert all(name in table for name in ("relay-off", "relay-exact", "relay-verifier"))
-    assert all(
-        (tmp_path / name / "bench.json").is_file() for name in ("relay-off", "relay-exact", "relay-verifier")
-    )
+    assert all(name in table for name in names)
+    assert all((tmp_path / name / "bench.json").is_file() for name in names)
+    # every variant's answers were played through: no gap inside them
+    gaps = json.loads((tmp_path / "relay-off" / "bench.json").read_text())["summary"]["answer_gaps"]
+    assert gaps["answers"] >= 1 and gaps["count"] == 0
+    assert "gaps" in table and f"0/{gaps['answers']}" in table
 
 
 def test_compare_early_answers_the_same_plan_with_early_answers_off_then_on(tmp_path) -> None:

@@ -357,6 +357,7 @@ def test_relay_check_option_is_validated():
     from duplex.base.config import ConfigError, SessionOptions
 
     assert SessionOptions().with_overrides({"relay_check": "verifier"}).relay_check == "verifier"
+    assert SessionOptions().with_overrides({"relay_check": "grounded"}).relay_check == "grounded"
     with pytest.raises(ConfigError):
         SessionOptions().with_overrides({"relay_check": "maybe"})
 
