@@ -617,11 +617,15 @@ def _ms(x: Any) -> str:
 
 
 def _save_comparison(out: Path, stem: str, lines: list[str], rows: list[tuple[str, dict[str, Any]]]) -> int:
-    """Print a comparison table and write it (OUT/STEM.txt) with each variant's summary (OUT/STEM.json)."""
+    """Print a comparison table and write it (OUT/STEM.txt) with each variant's summary (OUT/STEM.json) and a
+    plot of them (OUT/STEM.png)."""
+    from duplex.bench.report import plot_comparison
+
     table = "\n".join(lines)
     print(table)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.txt").write_text(table.strip() + "\n")
     (out / f"{stem}.json").write_text(json.dumps({n: sm for n, sm in rows}, indent=1, default=str))
-    print(f"\nwrote {out / f'{stem}.txt'} and {out / f'{stem}.json'}")
+    plot_comparison(rows, out / f"{stem}.png", stem)
+    print(f"\nwrote {out / f'{stem}.txt'}, {out / f'{stem}.json'} and {out / f'{stem}.png'}")
     return 0

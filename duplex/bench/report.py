@@ -247,3 +247,41 @@ def plot_results(result: dict[str, Any], path: str | Path) -> None:
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1000 * seconds:.0f} ms"
+
+
+def plot_comparison(rows: list[tuple[str, dict[str, Any]]], path: str | Path, title: str = "") -> None:
+    """One panel per question a comparison answers: the onset (P50 and P90) of each variant, and the share of
+    facts right and of answers with a gap inside (a client playing them ran dry)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, _ in rows]
+    x = list(range(len(rows)))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for k, (q, label) in enumerate((("p50", "P50"), ("p90", "P90"))):
+        ms = [1000 * ((sm.get("onset_s") or {}).get(q) or 0.0) for _, sm in rows]
+        a.bar([i + (k - 0.5) * 0.38 for i in x], ms, 0.38, label=f"onset {label}")
+    a.set_xticks(x, names, rotation=15)
+    a.set_ylabel("ms (end of speech -> first answer audio)")
+    a.legend()
+    a.grid(axis="y", alpha=0.3)
+    facts = [100 * ((sm.get("facts") or {}).get("rate") or 0.0) for _, sm in rows]
+    gaps = [
+        100 * g["answers_with_gaps"] / g["answers"] if (g := sm.get("answer_gaps")) and g["answers"] else 0.0
+        for _, sm in rows
+    ]
+    b.bar([i - 0.19 for i in x], facts, 0.38, label="facts right")
+    b.bar([i + 0.19 for i in x], gaps, 0.38, label="answers with a gap inside")
+    b.set_xticks(x, names, rotation=15)
+    b.set_ylabel("%")
+    b.set_ylim(0, 120)
+    b.set_yticks(range(0, 101, 20))
+    b.legend(loc="upper center", ncol=2)
+    b.grid(axis="y", alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -352,6 +352,7 @@ def test_compare_relay_runs_each_variant_on_one_server(tmp_path) -> None:
     gaps = json.loads((tmp_path / "relay-off" / "bench.json").read_text())["summary"]["answer_gaps"]
     assert gaps["answers"] >= 1 and gaps["count"] == 0
     assert "gaps" in table and f"0/{gaps['answers']}" in table
+    assert (tmp_path / "compare-relay.png").stat().st_size > 10_000  # the plot of the table
 
 
 def test_compare_early_answers_the_same_plan_with_early_answers_off_then_on(tmp_path) -> None:
