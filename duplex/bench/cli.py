@@ -487,8 +487,8 @@ def _compare_sessions(
 ) -> int:
     """--compare-relay / --compare-early / --compare-acoustic-hold / --compare-speech-end: the same conversation once per variant of the session options, each
     in its own session on the same server; one results folder per variant (OUT/<variant>) and a table of what
-    each buys: onset, facts right, wrong facts from a draft, pauses taken, memory, drafts kept, early answers,
-    answers with a gap inside."""
+    each buys: onset, facts right, wrong facts after a committed draft (of them, with a wrong keyword in the
+    draft), pauses taken, memory, drafts kept, early answers, answers with a gap inside."""
     rows: list[tuple[str, dict[str, Any]]] = []
     w = max(16, 2 + max(len(name) for name, _ in variants))
     for name, variant in variants:
@@ -510,7 +510,7 @@ def _compare_sessions(
         rows.append((name, result["summary"]))
     lines = [
         "",
-        f"{'variant':<{w}}{'onset P50':>10}{'P90':>8}{'n':>5}{'facts':>9}{'from draft':>12}"
+        f"{'variant':<{w}}{'onset P50':>10}{'P90':>8}{'n':>5}{'facts':>9}{'draft (kw)':>12}"
         f"{'pauses taken':>14}{'memory':>9}{'drafts kept':>13}{'early':>7}{'gaps':>10}",
     ]
     for name, sm in rows:
@@ -524,11 +524,19 @@ def _compare_sessions(
 
         lines.append(
             f"{name:<{w}}{_ms(on.get('p50')):>10}{_ms(on.get('p90')):>8}{on.get('n', 0):>5}{rate(facts):>9}"
-            f"{facts.get('wrong_from_draft', '-')!s:>12}{rate(pauses):>14}{rate(memory):>9}"
+            f"{_from_draft(facts):>12}{rate(pauses):>14}{rate(memory):>9}"
             f"{sm.get('relay_committed', 0)!s:>6}/{sm.get('relay_drafted', 0)!s:<6}"
             f"{sm.get('early_answers', 0)!s:>7}{_gaps(sm.get('answer_gaps')):>10}"
         )
     return _save_comparison(Path(args.out), title, lines, rows)
+
+
+def _from_draft(facts: dict[str, Any]) -> str:
+    """Wrong facts after a committed draft, and (in brackets) of those the ones whose draft itself held a
+    wrong keyword: "2 (0)"."""
+    if not facts or facts.get("wrong_with_committed_draft") is None:
+        return "-"
+    return f"{facts['wrong_with_committed_draft']} ({facts.get('wrong_from_draft', 0)})"
 
 
 def _gaps(g: dict[str, Any] | None) -> str:

@@ -442,3 +442,12 @@ def test_pause_audio_option_defaults_to_whole_sentences() -> None:
     add_case_arguments(p)
     assert p.parse_args([]).pause_audio == "whole"
     assert p.parse_args(["--pause-audio", "alone"]).pause_audio == "alone"
+
+
+def test_compare_table_counts_wrong_facts_after_a_committed_draft() -> None:
+    """The comparison's draft column: wrong facts after a committed draft, and in brackets those whose draft
+    itself held the wrong keyword (the log line's two counts)."""
+    from duplex.bench.cli import _from_draft
+
+    assert _from_draft({"wrong_with_committed_draft": 2, "wrong_from_draft": 0}) == "2 (0)"
+    assert _from_draft({}) == "-"
