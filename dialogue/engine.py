@@ -32,7 +32,7 @@ from dialogue import llm_weights
 from dialogue.conversation import ChatRenderer, Conversations, Piece, Track, TrackMark, pieces_for
 from dialogue.kv_cache import CachedLM
 from dialogue.llm import LlmOptions, stop_token_ids, text_delta
-from duplex.base.config import ComponentConfig, ConfigError
+from duplex.base.config import RELAY_CHECKS, ComponentConfig, ConfigError
 from duplex.base.devices import torch_threads
 from duplex.base.messages import (
     ListenOutput,
@@ -82,10 +82,6 @@ class SlowOptions(LlmOptions):
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], what: str = "llm") -> SlowOptions:
         return _options(cls, raw, what)
-
-
-#: how a relay draft is checked (`DrafterOptions.relay_check`)
-RELAY_CHECKS = ("exact", "verifier", "grounded")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ import yaml
 
 from duplex.base.paths import REPO_ROOT
 
+#: how a relay draft is checked: the slow model reads it ("exact"), the learned verifier commits its first
+#: words ("verifier"), or the verifier and only the words that restate the caller ("grounded")
+RELAY_CHECKS = ("exact", "verifier", "grounded")
+
 REPO_MODELS_YAML = REPO_ROOT / "models.yaml"
 
 
@@ -67,7 +71,7 @@ class SessionOptions:
     backchannel_interval_ms: int = 6000
     #: fast drafter + verifier start each answer (false: the slow model answers alone)
     relay: bool = True
-    #: how the relay's draft is checked: "exact", "verifier" or "grounded" (dialogue.engine.DrafterOptions);
+    #: how the relay's draft is checked: one of RELAY_CHECKS (dialogue.engine.DrafterOptions);
     #: "" = the profile's drafter option
     relay_check: str = ""
     #: a streaming ASR's end-of-utterance signal (its decoder heard no word for `eou_silence_ms`)
@@ -127,9 +131,9 @@ class SessionOptions:
                     raise ConfigError("vad_threshold must be a number in [0.05, 0.95]")
                 clean[key] = float(value)
             elif key == "relay_check":
-                if value not in ("", "exact", "verifier", "grounded"):
+                if value not in ("", *RELAY_CHECKS):
                     raise ConfigError(
-                        'relay_check must be "exact", "verifier", "grounded" or "" (the profile\'s)'
+                        f'relay_check must be one of {", ".join(RELAY_CHECKS)} or "" (the profile\'s)'
                     )
                 clean[key] = value
             elif key == "speech_end_db":

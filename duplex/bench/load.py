@@ -3,7 +3,7 @@
 `duplex bench --sessions 1,2,4`: for each N, N callers connect to the same server, their starts
 staggered (`stagger_s` apart), each one long session of the serve bench (`serve.run_session`: question
 turns and barge-in trials spoken like a microphone). Per N: answer onset and barge-in stop
-percentiles over every caller's samples, gaps inside answers' audio (`playback_gaps`), the server's
+percentiles over every caller's samples, gaps inside answers' audio (`common.playback_gaps`), the server's
 budget overruns, jobs and batch sizes per stage (`/stats` before and after), its CPU and memory,
 and the sessions it refused (an HTTP 503 at capacity is a result, not a crash).
 
@@ -14,7 +14,7 @@ every `sample_every_s`; leaks show as growth from the first sample to the last.
 A gap is where a client playing the answer would have run dry: the server releases each answer
 frame `playout_lead_ms` (120 ms) before its play time on a clock that starts when the answer's
 first audio is sent, so a client that plays from the first frame's arrival has that much slack for
-every later frame. `playback_gaps` replays the arrival times of one answer's frames against their
+every later frame. `common.playback_gaps` replays the arrival times of one answer's frames against their
 durations and returns each stretch of silence the speaker would have played.
 """
 
@@ -40,15 +40,11 @@ from duplex.bench.common import (
     HibariSynth,
     Progress,
     Synth,
-    answer_audio,
     answer_gaps,
     count_leaks,
     fetch_stats,
     percentiles,
-    playback_gaps,
 )
-
-__all__ = ["MIN_GAP_S", "answer_audio", "answer_gaps", "playback_gaps"]  # their home was here
 from duplex.bench.serve import SessionPlan, SessionRefused, SessionRun, plan_session, run_session, synthesise
 
 DEFAULT_LEAD_MS = 120  # `playout_lead_ms` of the profile, when session.started does not say

@@ -9,13 +9,10 @@ import pytest
 
 from duplex.base.config import load_profile
 from duplex.bench.cli import tone_prompt
-from duplex.bench.common import BenchError, InProcessServer, Rx
+from duplex.bench.common import BenchError, InProcessServer, Rx, answer_audio, answer_gaps, playback_gaps
 from duplex.bench.load import (
-    answer_audio,
-    answer_gaps,
     parse_duration,
     parse_sessions,
-    playback_gaps,
     run_load,
     run_soak,
 )
