@@ -73,9 +73,11 @@ async def test_complete_question_is_answered_quickly(live, say):
         done = await listener.wait_for("response.done", limit_s=60)
         assert "paris" in done["text"].lower(), _summary(listener)
         latency = await listener.wait_for("turn.latency")
-        # decided as soon as the transcript at the pause is known (ASR-bound here), well before the
-        # 2 s an incomplete thought would wait
-        assert latency["stages"]["end_of_turn"] < 1800, latency
+        # the turn ends soon after the transcript at the pause is known (the short or usual hangover), not
+        # after the 1.5 s acoustic hold or the 2 s an incomplete thought waits. Measured from the transcript,
+        # not from the end of speech: on a loaded machine the transcript itself may come late
+        stages = latency["stages"]
+        assert stages["end_of_turn"] - stages["final_transcript"] < 1200, latency
         assert set(latency["relay"]) >= {"committed", "p", "draft"}  # the relay ran (switched on above)
 
 

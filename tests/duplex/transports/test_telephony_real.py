@@ -53,7 +53,8 @@ async def test_twilio_call_question_answer_and_barge_in(live, say, asr_model):
     async with TwilioPeer(url, jitter_s=0.01, bunch_probability=0.05, seed=1) as call:
         await asyncio.sleep(0.5)
         said = await call.say(say("What is the capital of France?"))
-        answer = await call.wait_for_answer(after=said.end, limit_s=60)
+        # a loaded machine may leave a pause between the relay's first words and the rest: wait it out
+        answer = await call.wait_for_answer(after=said.end, quiet_s=1.5, limit_s=60)
         onset = call.first_played_after(said.end) - said.end
         assert 0.3 < onset < 5.0
         assert len(answer) > 0.5 * 8000
@@ -91,7 +92,8 @@ async def test_audiosocket_call_question_answer_and_hangup(live, say, asr_model)
     ) as call:
         await asyncio.sleep(0.5)
         said = await call.say(say("What is the capital of France?"))
-        answer = await call.wait_for_answer(after=said.end, limit_s=60)
+        # a loaded machine may leave a pause between the relay's first words and the rest: wait it out
+        answer = await call.wait_for_answer(after=said.end, quiet_s=1.5, limit_s=60)
         onset = call.first_played_after(said.end) - said.end
         assert 0.3 < onset < 5.0
         core = list(live.service.sessions.values())[
