@@ -52,8 +52,11 @@ class SessionOptions:
     #: turns end after `end_of_turn_silence_ms`
     incomplete_turn_silence_ms: int = 2000
     #: silence that ends a turn at a backchannel point (a finished sentence the user may follow
-    #: with another): the service says "mm-hmm" first if allowed, then answers if they do not go on
-    backchannel_turn_silence_ms: int = 1000
+    #: with another): the service says "mm-hmm" first if allowed, then answers if they do not go on.
+    #: 1.5 s, the longest mid-sentence pause the service must not take: a cut the head mistakes for
+    #: such a point is then not taken over (`duplex eval eot`'s last sweep: 10 -> 5 % at 1-1.5 s
+    #: pauses on held-out speech, for 8 % of complete spoken turns waiting 0.5 s longer; docs/dialogue.md)
+    backchannel_turn_silence_ms: int = 1500
     #: silence that ends a turn whose words the turn head calls complete but whose voice did not sound
     #: finished (the ASR's acoustic end-of-turn cue below the heads' `acoustic_hold` threshold: often a
     #: mid-sentence pause the recogniser closed with a full stop); 0 turns the cue off

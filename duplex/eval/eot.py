@@ -5,7 +5,7 @@ The session core waits, after the user's last word (`duplex.core.session._turn_w
 - `fast_turn_silence_ms` (≈ 200 ms) when the turn head says SPEAK and P(take) = 1 - P(listen) is at
   least the policy's `fast_take_threshold` (a confident "complete");
 - `end_of_turn_silence_ms` (500 ms) for a less confident SPEAK;
-- `backchannel_turn_silence_ms` (1 s) at a backchannel point, `incomplete_turn_silence_ms` (2 s) when
+- `backchannel_turn_silence_ms` (1.5 s) at a backchannel point, `incomplete_turn_silence_ms` (2 s) when
   the head says LISTEN (a mid-sentence pause: it waits for more words).
 
 On held-out turns (`data/dialogue/turn_eval.jsonl`: complete turns and the same sentences cut
@@ -34,6 +34,10 @@ threshold that keeps takeover at hesitations within the speech limit, adds no ta
 and at which the cue alone is right about ≥ `--min-voice-precision` of the spoken turns it calls
 complete (a guard: few cut turns reach that band of the head, so the takeover curves alone are flat)
 (`thresholds.voice_fast`).
+
+Last, at those thresholds, the wait at a backchannel point (`backchannel_turn_silence_ms`, a session
+option) is swept: the shortest with at most `--max-pause-takeover` (5 %) at 1-1.5 s pauses on speech is
+reported (not written: it is the session's default in `duplex.base.config.SessionOptions`).
 """
 
 from __future__ import annotations
@@ -42,13 +46,14 @@ import argparse
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dialogue.training.turn_sets import heldout_turn_examples, speech_examples
+from duplex.base.config import SessionOptions
 from duplex.base.paths import DATA_ROOT
 from duplex.base.turn_policy import BACKCHANNEL, LISTEN, SPEAK, TurnPolicy
 
@@ -58,15 +63,18 @@ PAUSE_S = (1.0, 1.5)
 GRID = tuple(round(x, 3) for x in np.arange(0.50, 1.0001, 0.01))
 
 
+_SESSION = SessionOptions()
+
+
 @dataclass(frozen=True)
 class Waits:
     """The session's waits in ms (SessionOptions' defaults)."""
 
-    fast: int = 200
-    speak: int = 500
-    backchannel: int = 1000
-    listen: int = 2000
-    acoustic_hold: int = 1500
+    fast: int = _SESSION.fast_turn_silence_ms
+    speak: int = _SESSION.end_of_turn_silence_ms
+    backchannel: int = _SESSION.backchannel_turn_silence_ms
+    listen: int = _SESSION.incomplete_turn_silence_ms
+    acoustic_hold: int = _SESSION.acoustic_hold_silence_ms
 
 
 def wait_ms(
@@ -314,6 +322,69 @@ def choose_acoustic(curve: list[dict[str, Any]], max_held: float) -> float | Non
     return float(best["acoustic_hold"]) if best["pause_takeover"] < curve[0]["pause_takeover"] else None
 
 
+BACKCHANNEL_GRID = tuple(range(800, 2001, 100))
+
+
+def backchannel_sweep(
+    rows: list[dict[str, Any]],
+    policy: TurnPolicy,
+    waits: Waits,
+    fast_take: float | None,
+    graded_take: float | None,
+    acoustic_hold: float | None,
+    voice_fast: float | None,
+    grid: Sequence[int] = BACKCHANNEL_GRID,
+) -> list[dict[str, Any]]:
+    """With every threshold fixed, one point per `backchannel_turn_silence_ms`: the silence after which a
+    turn the head calls a backchannel point (a finished sentence the user may follow with another) is
+    taken. A mid-sentence pause the head mistakes for one is taken over when it outlasts this wait, so
+    takeover at 1-1.5 s pauses falls as it grows; the complete turns at such points wait that long.
+    `complete_at_backchannel`: the share of complete turns that wait it."""
+    complete = [r for r in rows if r["label"] == SPEAK]
+    cut = [r for r in rows if r["label"] == LISTEN]
+    at_point = np.array([policy.decide_turn(r["probs"]) == BACKCHANNEL for r in complete], dtype=bool)
+    out = []
+    for ms in grid:
+        w = replace(waits, backchannel=int(ms))
+
+        def waits_of(subset: list[dict[str, Any]], w: Waits = w) -> np.ndarray:
+            return np.array(
+                [
+                    wait_ms(
+                        policy,
+                        r["probs"],
+                        w,
+                        fast_take,
+                        graded_take,
+                        r.get("p_voice"),
+                        acoustic_hold,
+                        voice_fast,
+                    )
+                    for r in subset
+                ],
+                dtype=float,
+            )
+
+        wc, wx = waits_of(complete), waits_of(cut)
+        out.append(
+            {
+                "backchannel_ms": int(ms),
+                **_wait_stats(wc, wx, w),
+                "complete_at_backchannel": float(at_point.mean()) if len(at_point) else float("nan"),
+            }
+        )
+    return out
+
+
+def choose_backchannel(curve: list[dict[str, Any]], max_pause_takeover: float) -> int | None:
+    """The shortest backchannel wait whose takeover at 1-1.5 s pauses is within `max_pause_takeover`;
+    None if none is."""
+    for p in curve:
+        if p["pause_takeover"] <= max_pause_takeover + 1e-9:
+            return int(p["backchannel_ms"])
+    return None
+
+
 # -- collecting the turn head's outputs ----------------------------------------------------------
 
 
@@ -495,17 +566,42 @@ def report(results: dict[str, Any]) -> str:
             f"hesitation limit, no more pause takeover, cue precision >= "
             f"{100 * results.get('min_voice_precision', 0):.0f} %)"
         )
+    for name, curve in (results.get("backchannel") or {}).items():
+        share = curve[0]["complete_at_backchannel"] if curve else float("nan")
+        lines.append(
+            f"  backchannel wait ({name}; {100 * share:.1f} % of complete turns are called backchannel points):"
+        )
+        lines += _sweep_lines(
+            curve,
+            "backchannel_ms",
+            results.get("chosen_backchannel_ms"),
+            lambda p: (
+                f"takeover at hesitations {100 * p['hesitation_takeover']:4.1f} %, "
+                f"at 1-1.5 s pauses {100 * p['pause_takeover']:4.1f} %"
+            ),
+            fmt="{:.0f} ms",
+        )
+    if results.get("backchannel"):
+        lines.append(
+            f"  shortest backchannel wait with takeover at 1-1.5 s pauses <= "
+            f"{100 * results.get('max_pause_takeover', 0):.0f} %: {results.get('chosen_backchannel_ms')} ms "
+            f"(the session option backchannel_turn_silence_ms; today {Waits().backchannel} ms)"
+        )
     return "\n".join(lines)
 
 
 def _sweep_lines(
-    curve: list[dict[str, Any]], key: str, chosen: float | None, rest: Callable[[dict[str, Any]], str]
+    curve: list[dict[str, Any]],
+    key: str,
+    chosen: float | None,
+    rest: Callable[[dict[str, Any]], str],
+    fmt: str = "{:.2f}",
 ) -> list[str]:
-    """One report line per point of an acoustic sweep: its threshold (or off), the wait, then `rest`."""
+    """One report line per point of a sweep: its threshold (or off), the wait, then `rest`."""
     lines = []
     for p in curve:
         thr = p[key]
-        label = "off" if thr is None else f"{thr:.2f}"
+        label = "off" if thr is None else fmt.format(thr)
         mark = "  <- chosen" if thr is not None and thr == chosen else ""
         lines.append(
             f"    {label:>6}: wait P50 {p['wait_p50_ms']:4.0f} ms P90 {p['wait_p90_ms']:5.0f} ms mean "
@@ -526,7 +622,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     acoustic = results.get("acoustic")
     voice = results.get("voice_fast")
-    panels = 3 + bool(acoustic) + bool(voice)
+    backchannel = results.get("backchannel") or {}
+    panels = 3 + bool(acoustic) + bool(voice) + bool(backchannel)
     fig, ax = plt.subplots(1, panels, figsize=(5.3 * panels, 4.2))
     for name, curve in results["curves"].items():
         pts = [p for p in curve if p["fast_take"] is not None]
@@ -566,7 +663,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax[3].set_ylabel("takeover at 1-1.5 s pauses (%)")
         ax[3].set_title("acoustic hold by threshold (x: off)")
     if voice:
-        a = ax[-1]
+        a = ax[3 + bool(acoustic)]
         pts = [p for p in voice if p["voice_fast"] is not None]
         a.plot(
             [100 * p["fast_share"] for p in pts],
@@ -598,6 +695,30 @@ def plot(results: dict[str, Any], path: Path) -> None:
         a.set_xlabel("complete spoken turns taken after the short wait (%)")
         a.set_ylabel("takeover (%)")
         a.set_title("voice-confirmed short wait by threshold (x: off)")
+    if backchannel:
+        a = ax[-1]
+        for name, curve in backchannel.items():
+            a.plot(
+                [p["wait_mean_ms"] for p in curve],
+                [100 * p["pause_takeover"] for p in curve],
+                ".-",
+                label=name,
+            )
+            for p in curve[::2]:
+                a.annotate(
+                    f"{p['backchannel_ms']}", (p["wait_mean_ms"], 100 * p["pause_takeover"]), fontsize=7
+                )
+        chosen_ms = results.get("chosen_backchannel_ms")
+        if chosen_ms is not None:
+            name = "speech" if "speech" in backchannel else "text"
+            c = next(p for p in backchannel[name] if p["backchannel_ms"] == chosen_ms)
+            a.plot(
+                [c["wait_mean_ms"]], [100 * c["pause_takeover"]], "o", mfc="none", color="k", label="chosen"
+            )
+        a.axhline(100 * results.get("max_pause_takeover", 0.05), color="k", lw=0.8, ls="--")
+        a.set_xlabel("mean wait on complete turns (ms)")
+        a.set_ylabel("takeover at 1-1.5 s pauses (%)")
+        a.set_title("backchannel wait (ms, labelled)")
     for a in ax:
         a.grid(alpha=0.3)
         if a.get_legend_handles_labels()[0]:
@@ -633,6 +754,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         type=float,
         default=0.9,
         help="the voice-confirmed short wait needs the cue alone right about this share of the turns it calls complete",
+    )
+    ap.add_argument(
+        "--max-pause-takeover",
+        type=float,
+        default=0.05,
+        help="the backchannel wait is chosen as the shortest with at most this takeover at 1-1.5 s pauses "
+        "(on speech when there is speech)",
     )
     ap.add_argument("--out", default="eval-out", help="folder for eot.json and eot.png")
     ap.add_argument(
@@ -712,6 +840,27 @@ def run(args: argparse.Namespace) -> int:
         results["chosen_voice_fast"] = choose_voice_fast(
             results["voice_fast"], args.max_hesitation_takeover_speech, args.min_voice_precision
         )
+    # the backchannel wait, at the thresholds above (speech: with the voice cue's hold and short wait)
+    at = results.get("acoustic_at") or {
+        "fast_take": results["chosen"],
+        "graded_take": results["chosen_graded"],
+    }
+    results["backchannel"] = {}
+    for name in results["curves"]:
+        subset = [r for r in rows if (r["voice"] == "text") == (name == "text")]
+        voiced = name == "speech"
+        results["backchannel"][name] = backchannel_sweep(
+            subset,
+            policy,
+            Waits(),
+            at["fast_take"],
+            at["graded_take"],
+            results["chosen_acoustic"] if voiced else None,
+            results["chosen_voice_fast"] if voiced else None,
+        )
+    results["max_pause_takeover"] = args.max_pause_takeover
+    basis = results["backchannel"].get("speech") or results["backchannel"].get("text")
+    results["chosen_backchannel_ms"] = choose_backchannel(basis, args.max_pause_takeover) if basis else None
     results["rows"] = rows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

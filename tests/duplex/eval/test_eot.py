@@ -171,3 +171,42 @@ def test_rescoring_reuses_the_transcripts_and_refuses_other_turns() -> None:
     assert [r["probs"][0] for r in rows] == [round(1 / len(o["heard"].split()), 5) for o in old]
     with pytest.raises(SystemExit, match="other held-out turns"):
         E.rescored_speech_rows(_LengthHead(), examples, old, seed=1, progress=False)
+
+
+def test_backchannel_wait_sweep_trades_pause_takeover_for_waits_at_backchannel_points():
+    """A cut the head calls a backchannel point is taken over by every 1-1.5 s pause the wait is shorter
+    than; complete turns at such points wait it out. The choice is the shortest wait within the limit."""
+    bc = (0.05, 0.6, 0.35)  # decided BACKCHANNEL by POLICY
+    rows = (
+        [{"label": 2, "probs": (0.01, 0.01, 0.98)}] * 8
+        + [{"label": 2, "probs": bc}] * 2
+        + [{"label": 0, "probs": (0.9, 0.05, 0.05)}] * 9
+        + [{"label": 0, "probs": bc}]
+    )
+    curve = E.backchannel_sweep(rows, POLICY, Waits(), 0.9, None, None, None, grid=(1000, 1250, 1500))
+    at1000, at1250, at1500 = curve
+    assert [p["backchannel_ms"] for p in curve] == [1000, 1250, 1500]
+    assert all(math.isclose(p["complete_at_backchannel"], 0.2) for p in curve)
+    # the one cut at a backchannel point: taken by every pause at 1 s, by half of them at 1.25 s, none at 1.5 s
+    assert math.isclose(at1000["pause_takeover"], 0.1)
+    assert math.isclose(at1250["pause_takeover"], 0.05)
+    assert at1500["pause_takeover"] == 0
+    # the two complete turns at such points wait it: the mean wait grows by 2/10 of the step
+    assert math.isclose(at1500["wait_mean_ms"] - at1000["wait_mean_ms"], 0.2 * 500)
+    assert at1000["wait_p50_ms"] == 200
+    assert E.choose_backchannel(curve, 0.05) == 1250
+    assert E.choose_backchannel(curve, 0.0) == 1500
+    assert E.choose_backchannel(curve[:1], 0.05) is None
+
+
+def test_the_evaluations_waits_are_the_sessions_defaults():
+    from duplex.base.config import SessionOptions
+
+    o, w = SessionOptions(), Waits()
+    assert (w.fast, w.speak, w.backchannel, w.listen, w.acoustic_hold) == (
+        o.fast_turn_silence_ms,
+        o.end_of_turn_silence_ms,
+        o.backchannel_turn_silence_ms,
+        o.incomplete_turn_silence_ms,
+        o.acoustic_hold_silence_ms,
+    )
