@@ -30,6 +30,7 @@ import torch
 
 from dialogue import llm_weights
 from dialogue.conversation import ChatRenderer, Conversations, Piece, Track, TrackMark, pieces_for
+from dialogue.fast_decoder import ACTIVATION_SCALES
 from dialogue.kv_cache import CachedLM
 from dialogue.llm import LlmOptions, stop_token_ids, text_delta
 from duplex.base.config import RELAY_CHECKS, ComponentConfig, ConfigError
@@ -62,6 +63,11 @@ class SlowOptions(LlmOptions):
     #: with its own scale: their tokens then equal one-by-one decoding's, at a cost in throughput;
     #: off, a batch shares one scale and a near-tie may decode differently than alone
     per_session_quant: bool = False
+    #: how the int8 products scale their input rows: "tensor" (one scale for all the tokens read in one
+    #: forward, torch's dynamic quantisation) or "token" (each token on its own scale, as a one-token
+    #: decode step has it; dialogue/fast_decoder.py). Slow model only: the drafter's heads and verifier
+    #: were trained on its per-tensor arithmetic
+    activation_scale: str = "tensor"
     #: appended to `system_prompt` for the slow model only: the drafter, the turn-taking heads and the
     #: verifier keep the prompt they were trained with (their hidden states depend on it)
     slow_instructions: str = ""
@@ -142,6 +148,10 @@ def _options(cls: Any, raw: Mapping[str, Any], what: str) -> Any:
         value = getattr(opts, name, None)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ConfigError(f"{what}: {name} must be a whole number >= 1 or null, got {value!r}")
+    if getattr(opts, "activation_scale", "tensor") not in ACTIVATION_SCALES:
+        raise ConfigError(
+            f"{what}: activation_scale must be one of {', '.join(ACTIVATION_SCALES)}, got {opts.activation_scale!r}"
+        )
     if getattr(opts, "relay_check", "exact") not in RELAY_CHECKS:
         raise ConfigError(
             f"{what}: relay_check must be one of {', '.join(RELAY_CHECKS)}, got {opts.relay_check!r}"
@@ -232,6 +242,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
                 sink_tokens=len(r.system_ids),
                 window_tokens=slow_options.window_tokens,
                 evict_chunk=slow_options.evict_chunk,
+                act_scale=slow_options.activation_scale,
             )
             self.slow = Conversations(lm, r, per_session_quant=slow_options.per_session_quant)
             self.slow_stop = stop_token_ids(slow_tokenizer)

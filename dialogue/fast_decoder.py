@@ -40,7 +40,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from dialogue.kv_pool import KvPool, PooledCache
 
-__all__ = ["FastDecoder", "shares_activation_scale", "unsupported_reason"]
+__all__ = ["ACTIVATION_SCALES", "FastDecoder", "shares_activation_scale", "unsupported_reason"]
 
 _FAMILIES = ("llama", "qwen2")
 _ATTR = "_duplex_fast_decoder"
@@ -78,8 +78,17 @@ def shares_activation_scale(mod: nn.Module) -> bool:
     return _is_dynamic_int8(mod)
 
 
-def _linear_fn(mod: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+#: how a dynamic int8 product scales its input: "tensor" (torch's own: one scale for all the rows of a
+#: call, so in a multi-token feed a row with large values coarsens every other row's rounding) or "token"
+#: (each row scaled to its largest magnitude first and back after, so every row of a feed is rounded on
+#: its own scale, as a one-token decode step rounds it)
+ACTIVATION_SCALES = ("tensor", "token")
+
+
+def _linear_fn(mod: nn.Module, act_scale: str = "tensor") -> Callable[[torch.Tensor], torch.Tensor]:
     """A direct call of `mod`'s arithmetic (skips the module machinery where it is safe to)."""
+    if act_scale not in ACTIVATION_SCALES:
+        raise ValueError(f"act_scale must be one of {ACTIVATION_SCALES}, got {act_scale!r}")
     if _is_dynamic_int8(mod):
         packed = mod._packed_params._packed_params
         reduce_range = not (getattr(mod, "version", None) is None or mod.version < 4)
@@ -87,7 +96,19 @@ def _linear_fn(mod: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         def dyn(x: torch.Tensor) -> torch.Tensor:
             return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=reduce_range).to(x.dtype)
 
-        return dyn
+        if act_scale == "tensor":
+            return dyn
+        bias = torch.ops.quantized.linear_unpack(packed)[1]
+
+        def per_token(x: torch.Tensor) -> torch.Tensor:
+            if x.numel() == x.shape[-1]:
+                return dyn(x)  # one row: its own scale already
+            # W (x / a) + b, then back: (y - b) a + b = W x + b, with each row's rounding on its own range
+            a = x.abs().amax(-1, keepdim=True).clamp_min(1e-6)
+            y = dyn(x / a)
+            return y * a if bias is None else (y - bias) * a + bias
+
+        return per_token
     if type(mod) is nn.Linear:
         w, b = mod.weight, mod.bias
         return lambda x: F.linear(x, w, b)
@@ -135,11 +156,13 @@ class FusedPart(nn.Module):
         return self.fused(x)[..., self.start : self.stop]
 
 
-def _fuse(parent: nn.Module, names: Sequence[str]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def _fuse(
+    parent: nn.Module, names: Sequence[str], act_scale: str = "tensor"
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """Fuse `parent`'s int8 layers `names` into one product (replacing them by `FusedPart`s)."""
     mods = [getattr(parent, n) for n in names]
     if all(isinstance(m, FusedPart) for m in mods) and len({id(m.fused) for m in mods}) == 1:
-        return _linear_fn(mods[0].fused)  # fused already (a second decoder over the same model)
+        return _linear_fn(mods[0].fused, act_scale)  # fused already (a second decoder over the same model)
     if not all(_is_dynamic_int8(m) for m in mods):
         return None
     fused = _fuse_dynamic_int8(mods)
@@ -148,7 +171,7 @@ def _fuse(parent: nn.Module, names: Sequence[str]) -> Callable[[torch.Tensor], t
         size = int(m.weight().shape[0])
         setattr(parent, n, FusedPart(fused, start, start + size))
         start += size
-    return _linear_fn(fused)
+    return _linear_fn(fused, act_scale)
 
 
 # -- the decoder ----------------------------------------------------------------------------------
@@ -171,14 +194,14 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 Split = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
-def _products(parent: nn.Module, names: Sequence[str]) -> Split:
+def _products(parent: nn.Module, names: Sequence[str], act_scale: str = "tensor") -> Split:
     """`parent`'s layers `names` as one call returning their outputs: one fused int8 product split
     into parts where it can be fused, else each layer in turn."""
-    fused = _fuse(parent, names)
+    fused = _fuse(parent, names, act_scale)
     if fused is not None:
         sizes = [int(getattr(parent, n).out_features) for n in names]
         return lambda x: fused(x).split(sizes, dim=-1)
-    fns = [_linear_fn(getattr(parent, n)) for n in names]
+    fns = [_linear_fn(getattr(parent, n), act_scale) for n in names]
     return lambda x: tuple(f(x) for f in fns)
 
 
@@ -213,12 +236,16 @@ class FastDecoder:
     #: step at 32 sessions: padding copies every cache each step; docs/operations.md, "On a GPU")
     decode_attention: str = "per_session"
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, act_scale: str = "tensor") -> None:
+        """`act_scale`: how the dynamic int8 products scale their input rows (`ACTIVATION_SCALES`)."""
+        if act_scale not in ACTIVATION_SCALES:
+            raise ValueError(f"FastDecoder: act_scale must be one of {ACTIVATION_SCALES}, got {act_scale!r}")
         why = unsupported_reason(model)
         if why is not None:
             raise ValueError(f"FastDecoder: unsupported model ({why})")
         cfg = model.config
         self.model = model
+        self.act_scale = act_scale
         self.inner = model.model
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(cfg.num_key_value_heads)
@@ -228,8 +255,8 @@ class FastDecoder:
         self.layers: list[_Layer] = []
         for layer in self.inner.layers:
             a, mlp = layer.self_attn, layer.mlp
-            qkv = _products(a, ("q_proj", "k_proj", "v_proj"))
-            gate_up = _products(mlp, ("gate_proj", "up_proj"))
+            qkv = _products(a, ("q_proj", "k_proj", "v_proj"), act_scale)
+            gate_up = _products(mlp, ("gate_proj", "up_proj"), act_scale)
             joint = {
                 "qkv": any(shares_activation_scale(getattr(a, n)) for n in ("q_proj", "k_proj", "v_proj")),
                 "o": shares_activation_scale(a.o_proj),
@@ -241,9 +268,9 @@ class FastDecoder:
                     in_norm=layer.input_layernorm.weight,
                     post_norm=layer.post_attention_layernorm.weight,
                     qkv=qkv,
-                    o=_linear_fn(a.o_proj),
+                    o=_linear_fn(a.o_proj, act_scale),
                     gate_up=gate_up,
-                    down=_linear_fn(mlp.down_proj),
+                    down=_linear_fn(mlp.down_proj, act_scale),
                     joint=joint,
                 )
             )
@@ -252,16 +279,22 @@ class FastDecoder:
         self.signature = _signature(model)
 
     @classmethod
-    def for_model(cls, model: Any) -> FastDecoder | None:
+    def for_model(cls, model: Any, act_scale: str = "tensor") -> FastDecoder | None:
         """The model's decoder (built once and kept on the model), or None if it is not supported.
 
         A kept decoder is reused only if it was built for this very model object with the same
-        modules (a deep copy, or a model whose layers were replaced since, e.g. by LoRA, gets a new one)."""
+        modules and `act_scale` (a deep copy, or a model whose layers were replaced since, e.g. by
+        LoRA, gets a new one)."""
         if unsupported_reason(model) is not None:
             return None
         dec = getattr(model, _ATTR, None)
-        if dec is None or dec.model is not model or dec.signature != _signature(model):
-            dec = cls(model)
+        if (
+            dec is None
+            or dec.model is not model
+            or dec.signature != _signature(model)
+            or dec.act_scale != act_scale
+        ):
+            dec = cls(model, act_scale)
             setattr(model, _ATTR, dec)
         return dec
 

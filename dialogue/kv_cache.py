@@ -100,6 +100,7 @@ class CachedLM:
         evict_chunk: int = 64,
         fast: bool = True,
         kv_pool_slots: int | None = None,
+        act_scale: str = "tensor",
     ) -> None:
         if sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
@@ -119,7 +120,7 @@ class CachedLM:
         if odd:
             raise ValueError(f"CachedLM needs full-attention cache layers only, the model config gives {odd}")
         # the lean forward (dialogue.fast_decoder) where the architecture allows it: same numbers, ~1.5x faster
-        self.fast = FastDecoder.for_model(model) if fast else None
+        self.fast = FastDecoder.for_model(model, act_scale) if fast else None
         #: the lean decoder's attention for batched decode steps outside the pool (FastDecoder.decode_attention
         #: when None; "padded" is the A/B in duplex.bench.gpu_capacity)
         self.decode_attention: str | None = None

