@@ -34,7 +34,7 @@ from dialogue.fast_decoder import ACTIVATION_SCALES
 from dialogue.kv_cache import CachedLM
 from dialogue.llm import LlmOptions, stop_token_ids, text_delta
 from duplex.base.config import RELAY_CHECKS, ComponentConfig, ConfigError
-from duplex.base.devices import torch_threads
+from duplex.base.devices import AUTO, Threads, torch_threads
 from duplex.base.messages import (
     ListenOutput,
     ListenStep,
@@ -79,7 +79,7 @@ class SlowOptions(LlmOptions):
     #: drafter and the turn heads read the final transcript) and the answer's first step. The recogniser
     #: has just finished and the voice has nothing to say yet, so on a 2-core machine the other core is
     #: idle then; None: `threads` for every step. Leave it None where other sessions share the cores.
-    pause_threads: int | None = None
+    pause_threads: Threads = None
 
     @property
     def slow_system_prompt(self) -> str:
@@ -146,8 +146,12 @@ def _options(cls: Any, raw: Mapping[str, Any], what: str) -> Any:
         raise ConfigError(f"{what}: window_tokens must be >= 128")
     for name in ("threads", "pause_threads"):
         value = getattr(opts, name, None)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{what}: {name} must be a whole number >= 1 or null, got {value!r}")
+        if (
+            value is not None
+            and value != AUTO
+            and (isinstance(value, bool) or not isinstance(value, int) or value < 1)
+        ):
+            raise ConfigError(f'{what}: {name} must be a whole number >= 1, "auto" or null, got {value!r}')
     if getattr(opts, "activation_scale", "tensor") not in ACTIVATION_SCALES:
         raise ConfigError(
             f"{what}: activation_scale must be one of {', '.join(ACTIVATION_SCALES)}, got {opts.activation_scale!r}"
@@ -326,7 +330,7 @@ class DialogueStage(SequentialBatchMixin[DialogueState, Any, Any]):
         assert all(o is not None for o in out)
         return [o for o in out if o is not None]
 
-    def threads_for(self, chunk: Any) -> int | None:
+    def threads_for(self, chunk: Any) -> Threads:
         """Intra-op threads for `chunk`: `pause_threads` for a listen step at a pause (it does not prefill
         the slow model) and an answer's first step, else `threads`."""
         o = self.slow_options

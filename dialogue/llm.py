@@ -10,6 +10,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from duplex.base.config import ConfigError
+from duplex.base.devices import check_threads
 
 from . import llm_weights
 
@@ -28,8 +29,10 @@ class LlmOptions:
     first_step_tokens: int = 4
     step_tokens: int = 4
     system_prompt: str = ""
-    #: intra-op torch threads while this stage runs; None leaves the process setting alone
-    threads: int | None = None
+    #: intra-op torch threads while this stage runs; None leaves the process setting alone; "auto": the
+    #: cores free when each step starts (`duplex.base.devices.resolve_threads`: two threads on a core another
+    #: process holds made each token ~6x slower)
+    threads: int | str | None = None
     #: the session KV cache window of the dialogue engine (dialogue/engine.py); unused here
     window_tokens: int = 1536
     #: where the model runs: "cpu", "cuda" or "cuda:N" (CUDA wants dtype bfloat16 or float16;
@@ -50,8 +53,7 @@ class LlmOptions:
         for name in ("max_new_tokens", "first_step_tokens", "step_tokens"):
             if int(getattr(opts, name)) < 1:
                 raise ConfigError(f"llm: {name} must be >= 1")
-        if opts.threads is not None and int(opts.threads) < 1:
-            raise ConfigError("llm: threads must be >= 1 or null")
+        check_threads(opts.threads, "llm")
         return opts
 
 

@@ -495,6 +495,9 @@ def run_child() -> None:
     from duplex.runtime.logs import setup_logging
 
     setup_logging(log_level, log_format)  # as the parent logs (`duplex serve --log-format json`)
+    from duplex.base.devices import count_as_own
+
+    count_as_own(os.getppid())  # the server's jobs are the service's own, not other work (`threads: auto`)
     try:
         from duplex.runtime.openmp import loading_without_pools
 

@@ -127,6 +127,18 @@ def test_drafter_relay_options_are_validated() -> None:
         DrafterOptions.from_mapping({"draft_words": 0})
 
 
+def test_threads_may_follow_the_free_cores() -> None:
+    from dialogue.engine import SlowOptions
+
+    assert LlmOptions.from_mapping({"threads": "auto"}).threads == "auto"
+    o = SlowOptions.from_mapping({"threads": "auto", "pause_threads": "auto"})
+    assert (o.threads, o.pause_threads) == ("auto", "auto")
+    with pytest.raises(ConfigError, match="threads"):
+        LlmOptions.from_mapping({"threads": "many"})
+    with pytest.raises(ConfigError, match="pause_threads must be"):
+        SlowOptions.from_mapping({"pause_threads": "many"})
+
+
 def test_slow_activation_scale_is_validated() -> None:
     from dialogue.engine import DrafterOptions, SlowOptions
 
