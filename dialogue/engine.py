@@ -34,7 +34,7 @@ from dialogue.fast_decoder import ACTIVATION_SCALES
 from dialogue.kv_cache import CachedLM
 from dialogue.llm import LlmOptions, stop_token_ids, text_delta
 from duplex.base.config import RELAY_CHECKS, ComponentConfig, ConfigError
-from duplex.base.devices import AUTO, Threads, torch_threads
+from duplex.base.devices import Threads, check_threads, torch_threads
 from duplex.base.messages import (
     ListenOutput,
     ListenStep,
@@ -145,13 +145,7 @@ def _options(cls: Any, raw: Mapping[str, Any], what: str) -> Any:
     if int(opts.window_tokens) < 128:
         raise ConfigError(f"{what}: window_tokens must be >= 128")
     for name in ("threads", "pause_threads"):
-        value = getattr(opts, name, None)
-        if (
-            value is not None
-            and value != AUTO
-            and (isinstance(value, bool) or not isinstance(value, int) or value < 1)
-        ):
-            raise ConfigError(f'{what}: {name} must be a whole number >= 1, "auto" or null, got {value!r}')
+        check_threads(getattr(opts, name, None), what, name)
     if getattr(opts, "activation_scale", "tensor") not in ACTIVATION_SCALES:
         raise ConfigError(
             f"{what}: activation_scale must be one of {', '.join(ACTIVATION_SCALES)}, got {opts.activation_scale!r}"

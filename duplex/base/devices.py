@@ -95,10 +95,15 @@ def _runnable_threads(pid: str) -> int:
     return n
 
 
-def _own_runnable() -> int:
+def _own_runnable(total: int | None = None) -> int:
     """This service's runnable threads right now, the reader included: this process's (its own OpenMP
-    workers still spinning after a parallel region are not other work) and its registered siblings'."""
-    return max(1, _runnable_threads("self") + sum(_runnable_threads(str(p)) for p in _SERVICE_PIDS))
+    workers still spinning after a parallel region are not other work) and its registered siblings'.
+    Given the machine's `total`, the siblings are not read when this process alone accounts for it (the
+    usual case on a step's hot path: nothing else runs)."""
+    own = _runnable_threads("self")
+    if total is not None and total <= own:
+        return max(1, own)
+    return max(1, own + sum(_runnable_threads(str(p)) for p in _SERVICE_PIDS))
 
 
 def usable_cores() -> int:
@@ -122,7 +127,7 @@ def free_cores(samples: int = 2, gap_s: float = 0.001) -> int:
         n = _runnable()
         if n is None:
             return cores
-        seen.append(n - _own_runnable())  # this process's threads, the reader among them, are not others
+        seen.append(n - _own_runnable(n))  # this process's threads, the reader among them, are not others
     return max(1, min(cores, cores - min(seen)))
 
 
@@ -164,11 +169,11 @@ def torch_threads(n: Threads) -> Iterator[None]:
         torch.set_num_threads(prev)
 
 
-def check_threads(value: Any, what: str) -> Threads:
-    """A `threads` option: None (the process's setting), an int >= 1 or "auto" (the cores free when each
-    call starts); ConfigError otherwise."""
+def check_threads(value: Any, what: str, name: str = "threads") -> Threads:
+    """A `threads` option (named `name`): None (the process's setting), an int >= 1 or "auto" (the cores
+    free when each call starts); ConfigError otherwise."""
     if value is None or value == AUTO:
         return value  # type: ignore[no-any-return]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f'{what}: threads must be an integer >= 1, "auto" or null, not {value!r}')
+        raise ConfigError(f'{what}: {name} must be an integer >= 1, "auto" or null, not {value!r}')
     return value

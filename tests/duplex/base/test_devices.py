@@ -12,7 +12,7 @@ from duplex.base.devices import AUTO, check_threads, free_cores, resolve_threads
 
 def test_auto_counts_the_cores_other_runnable_tasks_leave(monkeypatch):
     monkeypatch.setattr(devices, "usable_cores", lambda: 4)
-    monkeypatch.setattr(devices, "_own_runnable", lambda: 1)  # only the reader of this process
+    monkeypatch.setattr(devices, "_own_runnable", lambda total=None: 1)  # only the reader of this process
     readings = iter([3, 1])  # a brief job elsewhere in the first reading: the fewer counts
     monkeypatch.setattr(devices, "_runnable", lambda: next(readings))
     assert free_cores(samples=2, gap_s=0) == 4  # only this reader was runnable at the second reading
@@ -42,7 +42,7 @@ def test_the_real_count_is_within_the_usable_cores():
 def test_this_processs_own_busy_threads_are_not_counted_as_other_work(monkeypatch):
     monkeypatch.setattr(devices, "usable_cores", lambda: 2)
     monkeypatch.setattr(devices, "_runnable", lambda: 2)  # the reader and one of its own pool's threads
-    monkeypatch.setattr(devices, "_own_runnable", lambda: 2)
+    monkeypatch.setattr(devices, "_own_runnable", lambda total=None: 2)
     assert free_cores(samples=1) == 2
 
 
