@@ -17,7 +17,9 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,12 +60,25 @@ class MoonshineScorer:
     """Transcribe float32 audio with the bundled Moonshine base-en model (moonshine-cpp 0.1.4).
 
     moonshine-cpp keeps ~60 MB per transcription of speech (measured: 0.6 -> 2.0 GB over 15 clips), so
-    it runs in a child process that is replaced every `recycle` clips."""
+    it runs in a child process that is replaced every `recycle` clips.
 
-    def __init__(self, recycle: int = 16) -> None:
+    `backend`: "cpp" (moonshine-cpp's own library: every WER in docs/ was scored so), "onnx" (the same model
+    files through the service's onnxruntime path, `asr.moonshine.MoonshineModel`, in this process), or
+    "auto": cpp, and onnx where moonshine-cpp's native library cannot run on this machine (its bundled
+    onnxruntime dies with an illegal instruction on CPUs without AVX-512, e.g. an AVX2-only AMD EPYC).
+    `self.backend` says which one scored, once the first clip is done; evaluations record it."""
+
+    BACKENDS = ("auto", "cpp", "onnx")
+
+    def __init__(self, recycle: int = 16, backend: str = "auto", onnx_model: Any = None) -> None:
+        if backend not in self.BACKENDS:
+            raise ValueError(f"scorer backend must be one of {', '.join(self.BACKENDS)}, not {backend!r}")
         self.recycle = recycle
+        self.backend = backend
         self._proc: subprocess.Popen | None = None
         self._n = 0
+        self._onnx = onnx_model  # tests inject a stand-in; else loaded when first needed
+        self.fallback_reason: str | None = None
 
     def _start(self) -> None:
         self._proc = subprocess.Popen(
@@ -92,16 +107,50 @@ class MoonshineScorer:
             x = soxr.resample(x, sample_rate, 16000).astype(np.float32)
         pad = np.zeros(int(PAD_S * 16000), np.float32)
         x = np.ascontiguousarray(np.concatenate([pad, np.clip(x, -1, 1), pad]))
+        if self.backend == "onnx":
+            return self._onnx_transcribe(x)
         if self._proc is None or self._n >= self.recycle:
             self.close()
             self._start()
+        assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
         self._n += 1
-        self._proc.stdin.write(struct.pack("<q", x.size) + x.tobytes())
-        self._proc.stdin.flush()
-        line = self._proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the Moonshine worker died")
-        return line.decode().rstrip("\n")
+        line = b""
+        try:
+            self._proc.stdin.write(struct.pack("<q", x.size) + x.tobytes())
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except BrokenPipeError:
+            pass
+        if line:
+            if self.backend == "auto":
+                self.backend = "cpp"
+            return line.decode().rstrip("\n")
+        proc, self._proc = self._proc, None
+        try:
+            rc = proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        how = "an illegal instruction (SIGILL)" if rc in (-4, 132) else f"exit status {rc}"
+        if self.backend == "auto" and self._n == 1:
+            # the worker died on its first clip: the native library cannot run here, not this clip's fault
+            self.fallback_reason = f"moonshine-cpp's worker died with {how} on its first clip"
+            warnings.warn(
+                f"{self.fallback_reason}; scoring with the same Moonshine model files through onnxruntime "
+                "(asr.moonshine) instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.backend = "onnx"
+            return self._onnx_transcribe(x)
+        raise RuntimeError(f"the Moonshine worker died ({how})")
+
+    def _onnx_transcribe(self, x: np.ndarray) -> str:
+        if self._onnx is None:
+            from asr.moonshine import MoonshineModel
+
+            self._onnx = MoonshineModel(instances=1, threads=1)
+        return str(self._onnx.transcribe(x))
 
 
 def load_codec_any(path: Path) -> SpeechCodec:
@@ -247,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
             p.numel() for n, p in model.named_parameters() if n.startswith(("dec_", "head"))
         ),
         "weights": str(args.weights or args.ckpt),
+        "scorer": {"backend": scorer.backend, "fallback_reason": scorer.fallback_reason},
     }
     if args.ceiling:
         res["wer_ceiling"] = corpus_wer(sents, hyp_u)

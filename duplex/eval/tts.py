@@ -201,6 +201,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "n": len(sentences),
         "flow_step": stage.meta.get("step"),
         "weights": {"flow": str(args.flow or "profile"), "codec": str(args.codec or "the flow's")},
+        # which Moonshine scored (codec/training/eval_codec.py: moonshine-cpp, or onnxruntime where it cannot run)
+        "scorer": {"backend": scorer.backend, "fallback_reason": scorer.fallback_reason},
         "wer": wer,
         # the codec against hibari's whole sentences (its input); the live voices against hibari live
         "gap_to_hibari": {k: wer[k] - wer[b] for k, b in base.items() if b in wer},
