@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +26,20 @@ def heldout_turn_examples(path: Path = EVAL_FILE) -> list[dict[str, Any]]:
     ]
 
 
-def speech_examples(examples: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
+def speech_examples(
+    examples: list[dict[str, Any]], n: int, seed: int, exclude: Collection[str] = ()
+) -> list[dict[str, Any]]:
     """The held-out turns `duplex eval eot --speech n` speaks, in its order: n // 2 cut, then n // 2
-    complete."""
+    complete. Turns whose text is in `exclude` (spoken in an earlier run) are never chosen."""
     rng = random.Random(seed)
+    skip = set(exclude)
     chosen: list[dict[str, Any]] = []
     for lab in (LISTEN, SPEAK):
-        pool = [e for e in examples if int(e["label"]) == lab]
+        pool = [e for e in examples if int(e["label"]) == lab and e["text"] not in skip]
+        if len(pool) < n // 2:
+            raise ValueError(
+                f"only {len(pool)} held-out turns with label {lab} are left to speak, {n // 2} asked"
+            )
         rng.shuffle(pool)
         chosen += pool[: n // 2]
     return chosen

@@ -45,7 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -385,6 +385,41 @@ def choose_backchannel(curve: list[dict[str, Any]], max_pause_takeover: float) -
     return None
 
 
+def shipped_point(rows: list[dict[str, Any]], policy: TurnPolicy, waits: Waits) -> dict[str, Any]:
+    """The waits and takeovers at the thresholds the heads ship with and the session's default waits, as
+    the service runs: the acoustic hold and the voice-confirmed short wait where a row has the voice cue.
+    On turns no threshold was chosen on, this is the held-out check of the whole rule."""
+    complete = [r for r in rows if r["label"] == SPEAK]
+    cut = [r for r in rows if r["label"] == LISTEN]
+
+    def waits_of(subset: list[dict[str, Any]]) -> np.ndarray:
+        return np.array(
+            [
+                wait_ms(
+                    policy,
+                    r["probs"],
+                    waits,
+                    policy.fast_take_threshold,
+                    policy.graded_take_threshold,
+                    r.get("p_voice"),
+                    policy.acoustic_hold_threshold,
+                    policy.voice_fast_threshold,
+                )
+                for r in subset
+            ],
+            dtype=float,
+        )
+
+    wc, wx = waits_of(complete), waits_of(cut)
+    return {
+        "n_complete": len(wc),
+        "n_cut": len(wx),
+        **_wait_stats(wc, wx, waits),
+        # each cut turn's wait, so that an interval can be drawn over turns
+        "cut_pause_taken": [round(_taken(np.array([w]), PAUSE_S), 4) for w in wx],
+    }
+
+
 # -- collecting the turn head's outputs ----------------------------------------------------------
 
 
@@ -411,8 +446,10 @@ def speech_rows(
     seed: int,
     progress: bool,
     cut_audio: str = "alone",
+    exclude: Collection[str] = (),
 ) -> list[dict[str, Any]]:
-    """n turns (half complete, half cut) spoken by the held-out voices in turn, then transcribed.
+    """n turns (half complete, half cut) spoken by the held-out voices in turn, then transcribed; none
+    whose text is in `exclude` (the turns an earlier run spoke, for a fresh held-out check).
 
     `cut_audio`: "alone" speaks a cut turn's text as it is (it ends with a finished sentence's fall);
     "whole" speaks the sentence it was cut from and keeps the audio up to the cut (`whole_cut`), as a
@@ -426,7 +463,7 @@ def speech_rows(
 
     if cut_audio not in ("alone", "whole"):
         raise ValueError(f"cut_audio must be 'alone' or 'whole', not {cut_audio!r}")
-    chosen = speech_examples(examples, n, seed)
+    chosen = speech_examples(examples, n, seed, exclude)
     speakers = heldout_natural_speakers()
     synth, nprng = Synth(), np.random.default_rng(seed)
     rows = []
@@ -455,7 +492,12 @@ def speech_rows(
 
 
 def rescored_speech_rows(
-    stage: Any, examples: list[dict[str, Any]], old: list[dict[str, Any]], seed: int, progress: bool
+    stage: Any,
+    examples: list[dict[str, Any]],
+    old: list[dict[str, Any]],
+    seed: int,
+    progress: bool,
+    exclude: Collection[str] = (),
 ) -> list[dict[str, Any]]:
     """An earlier run's speech rows with the current turn head's outputs on the same transcripts (no
     speech is made or transcribed again): a paired comparison of two heads."""
@@ -463,7 +505,7 @@ def rescored_speech_rows(
 
     from duplex.base.messages import ListenStep
 
-    chosen = speech_examples(examples, len(old), seed)
+    chosen = speech_examples(examples, len(old), seed, exclude)
     if [e["text"] for e in chosen] != [r["text"] for r in old]:
         raise SystemExit("eval eot --rescore: those speech rows were made from other held-out turns or seed")
     rows = []
@@ -587,7 +629,33 @@ def report(results: dict[str, Any]) -> str:
             f"{100 * results.get('max_pause_takeover', 0):.0f} %: {results.get('chosen_backchannel_ms')} ms "
             f"(the session option backchannel_turn_silence_ms; today {Waits().backchannel} ms)"
         )
+    for name, p in (results.get("shipped") or {}).items():
+        fresh = name == "speech" and results.get("speech_exclude")
+        note = (
+            f"; none of the {len(results['speech_exclude'])} turns spoken in "
+            f"{', '.join(results.get('speech_exclude_from') or [])}"
+            if fresh
+            else ""
+        )
+        lo, hi = _turn_interval(p.get("cut_pause_taken") or [])
+        lines.append(
+            f"  at the shipped thresholds and waits ({name}, n {p['n_complete']} complete + {p['n_cut']} cut{note}): "
+            f"takeover at 1-1.5 s pauses {100 * p['pause_takeover']:.1f} % (95 % interval over turns "
+            f"{100 * lo:.1f}-{100 * hi:.1f} %), at hesitations {100 * p['hesitation_takeover']:.1f} %; complete "
+            f"turns: fast {100 * p['fast_share']:.1f} %, wait P50 {p['wait_p50_ms']:.0f} ms P90 "
+            f"{p['wait_p90_ms']:.0f} ms mean {p['wait_mean_ms']:.0f} ms"
+        )
     return "\n".join(lines)
+
+
+def _turn_interval(values: Sequence[float], n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A percentile-bootstrap 95 % interval of the mean of per-turn values (nan, nan if none)."""
+    x = np.asarray(values, dtype=float)
+    if not len(x):
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), size=(n_boot, len(x)))].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
 def _sweep_lines(
@@ -762,6 +830,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="the backchannel wait is chosen as the shortest with at most this takeover at 1-1.5 s pauses "
         "(on speech when there is speech)",
     )
+    ap.add_argument(
+        "--exclude-rows",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="never speak the turns these earlier eot.json files spoke: a fresh held-out check of "
+        "thresholds chosen on them (see the report's 'at the shipped thresholds')",
+    )
     ap.add_argument("--out", default="eval-out", help="folder for eot.json and eot.png")
     ap.add_argument(
         "--rows", default=None, metavar="JSON", help="reuse the turn-head outputs of an earlier eot.json"
@@ -861,6 +937,13 @@ def run(args: argparse.Namespace) -> int:
     results["max_pause_takeover"] = args.max_pause_takeover
     basis = results["backchannel"].get("speech") or results["backchannel"].get("text")
     results["chosen_backchannel_ms"] = choose_backchannel(basis, args.max_pause_takeover) if basis else None
+    results["shipped"] = {
+        name: shipped_point([r for r in rows if (r["voice"] == "text") == (name == "text")], policy, Waits())
+        for name in results["curves"]
+    }
+    excluded, excluded_from = _exclusion(args, source)
+    if excluded:
+        results["speech_exclude"], results["speech_exclude_from"] = excluded, excluded_from
     results["rows"] = rows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -974,9 +1057,36 @@ def _collect(args: argparse.Namespace, progress: bool) -> tuple[list[dict[str, A
     examples = heldout_turn_examples(DATA / "turn_eval.jsonl")
     rows = text_rows(stage, examples, progress)
     if args.rescore:
-        old = [r for r in json.loads(Path(args.rescore).read_text())["rows"] if r["voice"] != "text"]
-        rows += rescored_speech_rows(stage, examples, old, args.seed, progress)
+        earlier = json.loads(Path(args.rescore).read_text())
+        old = [r for r in earlier["rows"] if r["voice"] != "text"]
+        exclude = earlier.get("speech_exclude", [])
+        rows += rescored_speech_rows(stage, examples, old, args.seed, progress, exclude)
     elif args.speech:
         asr = load_asr_stage(profile.component("asr"))
-        rows += speech_rows(stage, asr, examples, args.speech, args.seed, progress, args.cut_audio)
+        rows += speech_rows(
+            stage, asr, examples, args.speech, args.seed, progress, args.cut_audio, excluded_turns(args)
+        )
     return rows, _policy_of(stage)
+
+
+def _exclusion(args: argparse.Namespace, source: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The spoken turns this run's speech rows were kept apart from, and the files that named them: an
+    earlier run's when its rows are reused (`--rows`, `--rescore`), else `--exclude-rows`."""
+    earlier = source
+    if not earlier and getattr(args, "rescore", None):
+        earlier = json.loads(Path(args.rescore).read_text())
+    if earlier:
+        return list(earlier.get("speech_exclude") or []), list(earlier.get("speech_exclude_from") or [])
+    return excluded_turns(args), [str(p) for p in getattr(args, "exclude_rows", None) or []]
+
+
+def excluded_turns(args: argparse.Namespace) -> list[str]:
+    """The texts of the spoken turns in `--exclude-rows` files (sorted, each once)."""
+    texts: set[str] = set()
+    for path in getattr(args, "exclude_rows", None) or []:
+        try:
+            rows = json.loads(Path(path).read_text())["rows"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise SystemExit(f"eval eot --exclude-rows: cannot read spoken rows from {path}: {exc}") from None
+        texts |= {r["text"] for r in rows if r.get("voice") != "text"}
+    return sorted(texts)

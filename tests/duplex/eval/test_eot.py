@@ -210,3 +210,68 @@ def test_the_evaluations_waits_are_the_sessions_defaults():
         o.incomplete_turn_silence_ms,
         o.acoustic_hold_silence_ms,
     )
+
+
+def test_a_fresh_check_never_speaks_the_turns_an_earlier_run_spoke(tmp_path) -> None:
+    import argparse
+    import json
+
+    examples = [
+        {"text": f"turn {i}", "label": LISTEN if i % 2 else SPEAK, "kind": "k", "history": []}
+        for i in range(40)
+    ]
+    first = E.speech_examples(examples, 20, 0)
+    earlier = tmp_path / "eot.json"
+    rows = [E._row(ex, ex["text"], "flite:slt", [0.5, 0.0, 0.5]) for ex in first]
+    rows.append(
+        E._row(examples[0], examples[0]["text"], "text", [0.5, 0.0, 0.5])
+    )  # text rows are not excluded
+    earlier.write_text(json.dumps({"rows": rows}))
+    args = argparse.Namespace(exclude_rows=[str(earlier)], rescore=None)
+    excluded = E.excluded_turns(args)
+    assert sorted(excluded) == sorted(ex["text"] for ex in first)
+    fresh = E.speech_examples(examples, 20, 0, excluded)
+    assert not {ex["text"] for ex in fresh} & set(excluded)
+    assert sum(int(ex["label"]) == LISTEN for ex in fresh) == 10
+    # every turn of each label is used by now: one more cannot be drawn, and it says so
+    with pytest.raises(ValueError, match="are left to speak"):
+        E.speech_examples(examples, 22, 0, excluded)
+    # a run that reuses rows keeps the exclusion it was made with
+    assert E._exclusion(args, {"speech_exclude": ["a"], "speech_exclude_from": ["x.json"]}) == (
+        ["a"],
+        ["x.json"],
+    )
+    assert E._exclusion(args, {}) == (excluded, [str(earlier)])
+    with pytest.raises(SystemExit, match="cannot read spoken rows"):
+        E.excluded_turns(argparse.Namespace(exclude_rows=[str(tmp_path / "missing.json")]))
+
+
+def test_the_shipped_point_is_the_sweeps_at_the_shipped_thresholds() -> None:
+    """The report's held-out line: every threshold as the heads ship it and the session's default waits,
+    the same numbers each sweep gives at that point."""
+    policy = TurnPolicy(
+        0.5, 0.7, 0.5, take_threshold=0.6, fast_take_threshold=0.9, acoustic_hold_threshold=0.45
+    )
+    bc = (0.05, 0.6, 0.35)
+    rows = (
+        [{"label": 2, "probs": (0.01, 0.01, 0.98), "p_voice": 0.9}] * 6
+        + [{"label": 2, "probs": (0.01, 0.01, 0.98), "p_voice": 0.2}] * 2  # held: wait 1.5 s
+        + [{"label": 2, "probs": bc, "p_voice": 0.9}] * 2
+        + [{"label": 0, "probs": (0.9, 0.05, 0.05), "p_voice": 0.3}] * 8
+        + [{"label": 0, "probs": (0.02, 0.0, 0.98), "p_voice": 0.9}]  # sure it is over: taken at once
+        + [{"label": 0, "probs": bc, "p_voice": 0.9}]
+    )
+    w = Waits()
+    p = E.shipped_point(rows, policy, w)
+    at = next(
+        q for q in E.acoustic_sweep(rows, policy, w, 0.9, None, grid=(0.45,)) if q["acoustic_hold"] == 0.45
+    )
+    assert math.isclose(p["pause_takeover"], at["pause_takeover"])
+    assert math.isclose(p["wait_mean_ms"], at["wait_mean_ms"])
+    bcurve = E.backchannel_sweep(rows, policy, w, 0.9, None, 0.45, None, grid=(w.backchannel,))
+    assert math.isclose(p["pause_takeover"], bcurve[0]["pause_takeover"])
+    # the sure cut is taken by every pause, the backchannel-point cut by none at a 1.5 s wait
+    assert p["cut_pause_taken"].count(1.0) == 1 and math.isclose(p["pause_takeover"], 0.1)
+    assert math.isclose(p["fast_share"], 0.6)
+    lo, hi = E._turn_interval(p["cut_pause_taken"])
+    assert 0.0 <= lo <= p["pause_takeover"] <= hi <= 1.0
