@@ -869,8 +869,10 @@ def run(args: argparse.Namespace) -> int:
         source = json.loads(Path(args.rows).read_text())
         rows = source["rows"]
         policy = _policy_of(None)
-    else:
-        rows, policy = _collect(args, progress)
+    # the turns the speech rows were kept apart from: read once, used to choose them and recorded
+    excluded, excluded_from = _exclusion(args, source)
+    if not args.rows:
+        rows, policy = _collect(args, progress, excluded)
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         # --rows: the turn-head outputs are that run's
@@ -941,7 +943,6 @@ def run(args: argparse.Namespace) -> int:
         name: shipped_point([r for r in rows if (r["voice"] == "text") == (name == "text")], policy, Waits())
         for name in results["curves"]
     }
-    excluded, excluded_from = _exclusion(args, source)
     if excluded:
         results["speech_exclude"], results["speech_exclude_from"] = excluded, excluded_from
     results["rows"] = rows
@@ -1041,7 +1042,9 @@ def _policy_of(stage: Any) -> TurnPolicy:
     )
 
 
-def _collect(args: argparse.Namespace, progress: bool) -> tuple[list[dict[str, Any]], TurnPolicy]:
+def _collect(
+    args: argparse.Namespace, progress: bool, excluded: Collection[str] = ()
+) -> tuple[list[dict[str, Any]], TurnPolicy]:
     import torch
 
     from asr.moonshine import load_asr_stage
@@ -1057,15 +1060,11 @@ def _collect(args: argparse.Namespace, progress: bool) -> tuple[list[dict[str, A
     examples = heldout_turn_examples(DATA / "turn_eval.jsonl")
     rows = text_rows(stage, examples, progress)
     if args.rescore:
-        earlier = json.loads(Path(args.rescore).read_text())
-        old = [r for r in earlier["rows"] if r["voice"] != "text"]
-        exclude = earlier.get("speech_exclude", [])
-        rows += rescored_speech_rows(stage, examples, old, args.seed, progress, exclude)
+        old = [r for r in json.loads(Path(args.rescore).read_text())["rows"] if r["voice"] != "text"]
+        rows += rescored_speech_rows(stage, examples, old, args.seed, progress, excluded)
     elif args.speech:
         asr = load_asr_stage(profile.component("asr"))
-        rows += speech_rows(
-            stage, asr, examples, args.speech, args.seed, progress, args.cut_audio, excluded_turns(args)
-        )
+        rows += speech_rows(stage, asr, examples, args.speech, args.seed, progress, args.cut_audio, excluded)
     return rows, _policy_of(stage)
 
 
