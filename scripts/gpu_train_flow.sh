@@ -7,6 +7,7 @@
 #
 #   scripts/gpu_train_flow.sh --minutes 6 --decoder-minutes 2   # on the GPU machine
 #   scripts/gpu_train_flow.sh --dry-run        # anywhere, ~1 min: a few steps of each on a tiny pool, export
+#   scripts/gpu_train_flow.sh --minutes 6 --layers 8 --enc-layers 5   # a deeper flow grown from $INIT (--grow)
 #
 # Environment: PYTHON (default: /opt/torch/.venv/bin/python3 if present, else .venv/bin/python, else
 # python3), OUT (default gpu-out), RUN (default runs/gpu-flow), DEC_RUN (default runs/gpu-decoder),
@@ -18,11 +19,13 @@ cd "$(dirname "$0")/.."
 MINUTES=8
 DEC_MINUTES=0
 MODE=train
+GROW=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --minutes) MINUTES="$2"; shift 2 ;;
     --decoder-minutes) DEC_MINUTES="$2"; shift 2 ;;
     --dry-run) MODE=dry; shift ;;
+    --layers|--enc-layers) GROW+=("$1" "$2"); shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -54,7 +57,9 @@ else
   DEC_ARGS=(--threads 4 --batch 64 --pool 4000 --refresh 4 --gate-minutes 5 --ckpt-minutes 4)
   echo "training on $DEVICE for $MINUTES min ($CPUS CPUs, $PY)"
 fi
-[ -e "$RUN/checkpoint.pt" ] || [ ! -f "$INIT/flow_model.json" ] || ARGS+=(--init "$INIT")
+if [ ! -e "$RUN/checkpoint.pt" ] && [ -f "$INIT/flow_model.json" ]; then
+  if [ ${#GROW[@]} -gt 0 ]; then ARGS+=(--grow "$INIT" "${GROW[@]}"); else ARGS+=(--init "$INIT"); fi
+fi
 mkdir -p "$OUT"
 "$PY" -m tts.training.train_flow "${ARGS[@]}" 2>&1 | tee "$OUT/train-flow.log"
 "$PY" -m tts.training.train_flow --run "$RUN" --export "$OUT/tts-weights" --codec-file "$CODEC"

@@ -279,3 +279,48 @@ def test_a_run_for_a_wider_latent_warm_starts_from_exported_weights(tmp_path) ->
     with pytest.raises(SystemExit, match="no tensor matches"):
         save_file({"nothing": torch.zeros(1)}, str(tmp_path / "flow_model.safetensors"))
         b.warm_start(tmp_path)
+
+
+def test_a_deeper_run_grows_from_exported_weights_computing_the_same(tmp_path) -> None:
+    """--grow: more estimator blocks and encoder layers, started from an export, compute exactly what the
+    export computes (new blocks are identity), continue its step and data position, and then train."""
+    import json
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+
+    a = make()
+    a.start()
+    for _ in range(2):
+        a.step()
+    tensors = {k: v.half().contiguous() for k, v in a.ema.state_dict().items() if v.is_floating_point()}
+    save_file(tensors, str(tmp_path / "flow_model.safetensors"))
+    (tmp_path / "flow_model.json").write_text(
+        json.dumps({"config": CFG.to_dict(), "step": a.step_n, "examples_seen": a.pos})
+    )
+    ref = FlowModel(CFG)
+    ref.load_state_dict({k: v.float() for k, v in tensors.items()})
+    deep = replace(CFG, layers=CFG.layers + 2, enc_layers=CFG.enc_layers + 1)
+    b = Trainer(deep, synthetic_source, pool_size=12, batch=3, norm_examples=4, warmup=2, log=lambda _: None)
+    new = b.grow_from_export(tmp_path)
+    assert any(k.startswith(f"blocks.{CFG.layers}.") for k in new)
+    assert any(k.startswith(f"encoder.layers.{CFG.enc_layers}.") for k in new)
+    assert (b.step_n, b.pos, b.rewarm_from) == (2, a.pos, 2)
+    x, units = ids(9), torch.full((1, 9), 2)
+    with torch.no_grad():
+        for m in (b.model, b.ema):
+            m.eval()
+            want = ref.sample(ref.condition(x, units=units), steps=2, chunk=CFG.chunk, left_chunks=1)
+            got = m.sample(m.condition(x, units=units), steps=2, chunk=CFG.chunk, left_chunks=1)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    b.start()
+    assert np.isfinite(b.step()["total"]) and b.step_n == 3
+    assert any(
+        float(p.abs().sum()) > 0
+        for n, p in b.model.named_parameters()
+        if n.startswith(f"blocks.{CFG.layers}.mod")
+    )
+    wider = replace(CFG, dim=CFG.dim + 16)
+    c = Trainer(wider, synthetic_source, pool_size=12, batch=3, norm_examples=4, warmup=2, log=lambda _: None)
+    with pytest.raises(SystemExit, match="only adds"):
+        c.grow_from_export(tmp_path)

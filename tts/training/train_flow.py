@@ -268,6 +268,39 @@ class Trainer:
         self.rng = np.random.default_rng([self.step_n, 1])
         self.gen = torch.Generator().manual_seed(self.step_n)
 
+    def grow_from_export(self, path: Path) -> list[str]:
+        """Start a deeper model (more estimator blocks and/or encoder layers, every width the same) from
+        shipped weights so that it computes exactly what they compute: their tensors fill the first blocks
+        and layers; the new estimator blocks are identity by construction (adaLN-zero: their modulation
+        starts at zero) and the new encoder layers are made identity by zeroing their output projections.
+        Step and data position come from the export's metadata, as in `init_from_export`; a fresh
+        optimiser warms up again. Returns the names of the new tensors."""
+        meta = json.loads((path / "flow_model.json").read_text())
+        old = FlowConfig.from_dict(meta["config"])
+        mine = self.cfg.to_dict()
+        differs = {k for k, v in old.to_dict().items() if mine[k] != v}
+        if (
+            not differs <= {"layers", "enc_layers"}
+            or old.layers > self.cfg.layers
+            or (old.enc_layers > self.cfg.enc_layers)
+        ):
+            raise SystemExit(
+                f"{path}: --grow only adds estimator blocks and encoder layers; its dimensions differ in "
+                f"{sorted(differs)} ({old.to_dict()} vs {mine})"
+            )
+        copied, new = copy_matching(path / "flow_model.safetensors", self.model, self.ema)
+        with torch.no_grad():
+            for m in (self.model, self.ema):
+                for layer in list(m.encoder.layers)[old.enc_layers :]:
+                    for lin in (layer.out, layer.ff2):
+                        lin.weight.zero_()
+                        lin.bias.zero_()
+        self.step_n, self.pos, self.norm_ready = int(meta["step"]), int(meta["examples_seen"]), True
+        self.rewarm_from = self.step_n
+        self.rng = np.random.default_rng([self.step_n, 1])
+        self.gen = torch.Generator().manual_seed(self.step_n)
+        return new
+
     def warm_start(self, path: Path) -> tuple[list[str], list[str]]:
         """A new run for another codec (e.g. a wider latent) starts from exported weights: every tensor
         whose name and shape match is copied into the model and its EMA (the phoneme encoder, the
@@ -498,6 +531,17 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="a new run (e.g. on a new codec) copies the tensors of these exported weights whose shapes match",
     )
+    ap.add_argument(
+        "--grow",
+        type=Path,
+        default=None,
+        help="a new, deeper run (--layers / --enc-layers) starts from these exported weights, computing "
+        "what they compute: the new blocks start as identity",
+    )
+    ap.add_argument("--layers", type=int, default=None, help="estimator blocks of a new run (default 4)")
+    ap.add_argument(
+        "--enc-layers", type=int, default=None, help="phoneme encoder layers of a new run (default 3)"
+    )
     ap.add_argument("--lr-halflife", type=float, default=20000.0, help="steps for the lr to halve")
     ap.add_argument(
         "--fragments", type=float, default=0.0, help="share of examples that are one phrase of a sentence"
@@ -569,7 +613,14 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(res, indent=1))
         return
 
-    cfg = FlowConfig(latent_dim=codec.cfg.latent_dim, subframes=codec.cfg.down)
+    depth = {k: v for k, v in (("layers", args.layers), ("enc_layers", args.enc_layers)) if v is not None}
+    cfg = FlowConfig(latent_dim=codec.cfg.latent_dim, subframes=codec.cfg.down, **depth)
+    resume = torch.load(ck, map_location="cpu", weights_only=False) if ck.is_file() else None
+    if resume is not None:  # a run keeps the dimensions it started with
+        saved = FlowConfig.from_dict(resume["config"])
+        if depth and any(getattr(saved, k) != v for k, v in depth.items()):
+            ap.error(f"{ck} holds a model with {saved.layers} blocks / {saved.enc_layers} encoder layers")
+        cfg = saved
     source = TeacherSource(training_sentences(), codec, seed=args.seed, threads=1, fragments=args.fragments)
     trainer = Trainer(
         cfg,
@@ -585,14 +636,21 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         log=log,
     )
-    if args.init and args.warm_start:
-        ap.error("--init and --warm-start are exclusive")
-    if ck.is_file():
-        trainer.load_state_dict(torch.load(ck, map_location="cpu", weights_only=False))
+    if sum(x is not None for x in (args.init, args.warm_start, args.grow)) > 1:
+        ap.error("--init, --warm-start and --grow are exclusive")
+    if resume is not None:
+        trainer.load_state_dict(resume)
+        del resume
         log(f"resumed from {ck} at step {trainer.step_n}, data position {trainer.pos}")
     elif args.init:
         trainer.init_from_export(args.init)
         log(f"started from the exported weights in {args.init} at step {trainer.step_n} (fresh optimiser)")
+    elif args.grow:
+        new = trainer.grow_from_export(args.grow)
+        log(
+            f"grown from the exported weights in {args.grow} at step {trainer.step_n} to {cfg.layers} estimator "
+            f"blocks, {cfg.enc_layers} encoder layers (identity at first; fresh optimiser); new: {len(new)} tensors"
+        )
     elif args.warm_start:
         copied, new = trainer.warm_start(args.warm_start)
         log(f"warm start from {args.warm_start}: {len(copied)} tensors copied, new: {', '.join(new)}")
