@@ -263,6 +263,10 @@ class Trainer:
         sd = {k: v.float() for k, v in load_file(str(path / "flow_model.safetensors")).items()}
         self.model.load_state_dict(sd)
         self.ema.load_state_dict(sd)
+        self._continue_export(meta)
+
+    def _continue_export(self, meta: dict) -> None:
+        """An export's step and data position, the lr warming up again from there, RNGs seeded by the step."""
         self.step_n, self.pos, self.norm_ready = int(meta["step"]), int(meta["examples_seen"]), True
         self.rewarm_from = self.step_n
         self.rng = np.random.default_rng([self.step_n, 1])
@@ -279,26 +283,20 @@ class Trainer:
         old = FlowConfig.from_dict(meta["config"])
         mine = self.cfg.to_dict()
         differs = {k for k, v in old.to_dict().items() if mine[k] != v}
-        if (
-            not differs <= {"layers", "enc_layers"}
-            or old.layers > self.cfg.layers
-            or (old.enc_layers > self.cfg.enc_layers)
-        ):
+        shrinks = old.layers > self.cfg.layers or old.enc_layers > self.cfg.enc_layers
+        if not differs <= {"layers", "enc_layers"} or shrinks:
             raise SystemExit(
                 f"{path}: --grow only adds estimator blocks and encoder layers; its dimensions differ in "
                 f"{sorted(differs)} ({old.to_dict()} vs {mine})"
             )
-        copied, new = copy_matching(path / "flow_model.safetensors", self.model, self.ema)
+        _, new = copy_matching(path / "flow_model.safetensors", self.model, self.ema)
         with torch.no_grad():
             for m in (self.model, self.ema):
                 for layer in list(m.encoder.layers)[old.enc_layers :]:
                     for lin in (layer.out, layer.ff2):
                         lin.weight.zero_()
                         lin.bias.zero_()
-        self.step_n, self.pos, self.norm_ready = int(meta["step"]), int(meta["examples_seen"]), True
-        self.rewarm_from = self.step_n
-        self.rng = np.random.default_rng([self.step_n, 1])
-        self.gen = torch.Generator().manual_seed(self.step_n)
+        self._continue_export(meta)
         return new
 
     def warm_start(self, path: Path) -> tuple[list[str], list[str]]:
