@@ -65,10 +65,17 @@ def test_chunked_equals_whole(stage: MoonshineAsrStage, question: np.ndarray, ch
     assert all(not p.is_final for p in partials[:-1])
 
 
-def test_short_and_empty_segments_skip_the_model(stage: MoonshineAsrStage) -> None:
+def test_short_and_empty_segments_skip_the_model(
+    stage: MoonshineAsrStage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def never(*_args: object) -> list[int]:
+        raise AssertionError("the model ran on a segment too short for it")
+
+    # asserted by what runs, not by time (the acoustic end-of-turn cue still runs, and a loaded CPU is slow)
+    monkeypatch.setattr(stage.model, "_greedy", never)
     for n in (0, 1, 800, MIN_SAMPLES - 1):  # fewer than ~1000 samples would abort inside onnxruntime
         out, state = stage.step(stage.init_state(), AsrChunk(np.zeros(n, np.float32), transcribe=True))
-        assert out.text == "" and out.compute_seconds < 0.01 and state.n_samples == n
+        assert out.text == "" and state.n_samples == n
     out, _ = stage.step(stage.init_state(), AsrChunk(np.zeros(0, np.float32), final=True))
     assert out.text == "" and out.is_final
 
