@@ -184,7 +184,22 @@ class MoonshineModel:
 
     def _greedy(self, x: np.ndarray, draft: tuple[int, ...] | list[int] = ()) -> list[int]:
         hidden = self._encoder.run(None, {"input_values": x[None, :]})[0]
-        max_tokens = int(x.size / SAMPLE_RATE * MAX_TOKENS_PER_SECOND) + 1
+        return self._decode(hidden, x.size, draft)
+
+    def decode_frames(
+        self, hidden: np.ndarray, n_samples: int, draft: tuple[int, ...] | list[int] = ()
+    ) -> list[int]:
+        """Greedy token ids from encoder frames [1, T, 416] that another encoder computed (the streaming one,
+        asr/moonshine_stream.py) for `n_samples` of audio; the draft is checked as in `transcribe_ids`."""
+        if n_samples < MIN_SAMPLES or hidden.shape[1] == 0:
+            return []
+        with self._slots:
+            return self._decode(np.ascontiguousarray(hidden, dtype=np.float32), n_samples, draft)
+
+    def _decode(
+        self, hidden: np.ndarray, n_samples: int, draft: tuple[int, ...] | list[int] = ()
+    ) -> list[int]:
+        max_tokens = int(n_samples / SAMPLE_RATE * MAX_TOKENS_PER_SECOND) + 1
         past = {
             name: np.zeros((1, heads, 0, size), np.float32)
             for name, (heads, size) in self._past_shape.items()

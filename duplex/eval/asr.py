@@ -133,7 +133,9 @@ def stream_utterance(
         compute += time.perf_counter() - t
         pos += chunk.size
         arrived = min(pos, audio.size) / SR
-        for i, _ in enumerate(out.words):
+        # a recogniser without word times (moonshine-stream) gives its partial's words by position
+        seen = [w.word for w in out.words] or (out.text or "").split()
+        for i, _ in enumerate(seen):
             first_seen.setdefault(i, arrived if not final else audio.size / SR)
         if final:
             break
@@ -141,7 +143,7 @@ def stream_utterance(
         from asr.training.data import normalize_text
         from asr.training.wer import matched_words
 
-        hyp = [normalize_text(w.word) for w in out.words]
+        hyp = [normalize_text(w) for w in ([w.word for w in out.words] or (out.text or "").split())]
         pairs = matched_words(normalize_text(reference).split(), hyp)
         delays = [first_seen[h] - word_ends[r] for r, h in pairs if h in first_seen and r < len(word_ends)]
     else:
@@ -191,18 +193,20 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from asr.nemo_streaming import NemoStreamingAsrStage, NemoStreamingModel, load_nemo_model
-    from asr.training.wer import wer
     from duplex.base.config import load_profile
 
     torch.set_num_threads(1)
     progress = not args.no_progress
+    cfg = load_profile(args.profile).component("asr")
+    if cfg.backend == "moonshine-stream" and not args.model:
+        return _run_moonshine_stream(args, cfg)
     if args.model:
         source = Path(args.model)
     else:
-        cfg = load_profile(args.profile).component("asr")
         if cfg.backend != "nemo-streaming":
             raise SystemExit(
-                f"eval asr: profile {args.profile!r} has asr backend {cfg.backend!r}, not nemo-streaming"
+                f"eval asr: profile {args.profile!r} has asr backend {cfg.backend!r}, not nemo-streaming "
+                "or moonshine-stream"
             )
         from asr.nemo_streaming import SHIPPED
 
@@ -218,6 +222,111 @@ def run(args: argparse.Namespace) -> int:
         contexts = [c for c in contexts if c[1] * frame_ms in wanted]
         if not contexts:
             raise SystemExit(f"eval asr: none of the lookaheads {sorted(wanted)} is the model's")
+    sets = _sets(args)
+    results: dict[str, Any] = {"model": str(source), "date": time.strftime("%Y-%m-%d %H:%M"), "sets": {}}
+    moonshine = None if args.no_moonshine else _moonshine()
+    for name, utts in sets.items():
+        entry = _entry(utts)
+        for ctx in contexts:
+            stage = NemoStreamingAsrStage(NemoStreamingModel(nemo_model, att_context_size=ctx))
+            la = ctx[1] * frame_ms
+            entry["streaming"][f"{la:g}"] = {
+                "att_context_size": ctx,
+                **_stream_set(stage, utts, f"{name} lookahead {la:g} ms", progress, la, stage.m.chunk_ms),
+            }
+            log.info("%s lookahead %g ms: WER %.3f", name, la, entry["streaming"][f"{la:g}"]["wer"])
+        if moonshine is not None:
+            entry["moonshine"] = _moonshine_set(moonshine, utts, name, progress)
+        results["sets"][name] = entry
+    return _write(args, results)
+
+
+def _run_moonshine_stream(args: argparse.Namespace, cfg: Any) -> int:
+    """The same report for the `moonshine-stream` backend: one "lookahead", its chunk."""
+    from duplex.runtime.service import load_asr
+
+    stage = load_asr(cfg)
+    chunk_ms = 24.0 * int(cfg.options.get("chunk_frames", 20))
+    progress = not args.no_progress
+    results: dict[str, Any] = {
+        "model": f"moonshine-stream ({args.profile}; adapters: {cfg.options.get('adapters', True)})",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "sets": {},
+    }
+    moonshine = None if args.no_moonshine else _moonshine()
+    for name, utts in _sets(args).items():
+        entry = _entry(utts)
+        entry["streaming"][f"{chunk_ms:g}"] = _stream_set(stage, utts, name, progress, chunk_ms, chunk_ms)
+        log.info("%s chunk %g ms: WER %.3f", name, chunk_ms, entry["streaming"][f"{chunk_ms:g}"]["wer"])
+        if moonshine is not None:
+            entry["moonshine"] = _moonshine_set(moonshine, utts, name, progress)
+        results["sets"][name] = entry
+    return _write(args, results)
+
+
+def _moonshine() -> Any:
+    from asr.moonshine import MoonshineModel
+
+    return MoonshineModel()
+
+
+def _entry(utts: list[Utterance]) -> dict[str, Any]:
+    refs = [u.text for u in utts]
+    return {
+        "n": len(utts),
+        "words": sum(len(r.split()) for r in refs),
+        "audio_minutes": round(sum(u.audio.size for u in utts) / SR / 60, 2),
+        "streaming": {},
+    }
+
+
+def _stream_set(
+    stage: Any, utts: list[Utterance], desc: str, progress: bool, lookahead_ms: float, chunk_ms: float
+) -> dict[str, Any]:
+    from asr.training.wer import wer
+
+    refs = [u.text for u in utts]
+    audio_s = sum(u.audio.size for u in utts) / SR
+    hyps, delays, compute = [], [], 0.0
+    for u in _progress(utts, desc, progress):
+        text, d, c = stream_utterance(stage, u.audio, u.text, u.word_ends)
+        hyps.append(text)
+        delays.extend(d)
+        compute += c
+    return {
+        "lookahead_ms": lookahead_ms,
+        "chunk_ms": chunk_ms,
+        "wer": round(wer(refs, hyps), 4),
+        "rtf": round(compute / audio_s, 4),
+        "first_partial_after_word_end_ms": {
+            "p50": round(1000 * float(np.percentile(delays, 50)), 1) if delays else None,
+            "p90": round(1000 * float(np.percentile(delays, 90)), 1) if delays else None,
+            "n": len(delays),
+            "bound_chunk_plus_lookahead_ms": chunk_ms + lookahead_ms,
+            "word_end": "synthesiser" if all(u.word_ends for u in utts) else "model timestamps",
+        },
+        "examples": [{"ref": r, "hyp": h} for r, h in list(zip(refs, hyps, strict=False))[:5]],
+    }
+
+
+def _moonshine_set(moonshine: Any, utts: list[Utterance], name: str, progress: bool) -> dict[str, Any]:
+    from asr.training.wer import wer
+
+    refs = [u.text for u in utts]
+    audio_s = sum(u.audio.size for u in utts) / SR
+    hyps, compute = [], 0.0
+    for u in _progress(utts, f"{name} moonshine", progress):
+        t = time.perf_counter()
+        hyps.append(moonshine.transcribe(u.audio))
+        compute += time.perf_counter() - t
+    return {
+        "wer": round(wer(refs, hyps), 4),
+        "rtf": round(compute / audio_s, 4),
+        "examples": [{"ref": r, "hyp": h} for r, h in list(zip(refs, hyps, strict=False))[:5]],
+    }
+
+
+def _sets(args: argparse.Namespace) -> dict[str, list[Utterance]]:
     sets: dict[str, list[Utterance]] = {}
     if args.panel:
         sets.update(panel_sets(args.n if args.n != 200 else 60, args.panel_sets))
@@ -227,58 +336,10 @@ def run(args: argparse.Namespace) -> int:
         sets["heldout-voices"] = synthetic_set(args.n, augmented=False)
         if args.augmented:
             sets["heldout-voices-augmented"] = synthetic_set(args.n, augmented=True)
-    results: dict[str, Any] = {"model": str(source), "date": time.strftime("%Y-%m-%d %H:%M"), "sets": {}}
-    moonshine = None
-    if not args.no_moonshine:
-        from asr.moonshine import MoonshineModel
+    return sets
 
-        moonshine = MoonshineModel()
-    for name, utts in sets.items():
-        refs = [u.text for u in utts]
-        audio_s = sum(u.audio.size for u in utts) / SR
-        entry: dict[str, Any] = {
-            "n": len(utts),
-            "words": sum(len(r.split()) for r in refs),
-            "audio_minutes": round(audio_s / 60, 2),
-            "streaming": {},
-        }
-        for ctx in contexts:
-            stage = NemoStreamingAsrStage(NemoStreamingModel(nemo_model, att_context_size=ctx))
-            hyps, delays, compute = [], [], 0.0
-            for u in _progress(utts, f"{name} lookahead {ctx[1] * frame_ms:g} ms", progress):
-                text, d, c = stream_utterance(stage, u.audio, u.text, u.word_ends)
-                hyps.append(text)
-                delays.extend(d)
-                compute += c
-            la = ctx[1] * frame_ms
-            entry["streaming"][f"{la:g}"] = {
-                "att_context_size": ctx,
-                "lookahead_ms": la,
-                "chunk_ms": stage.m.chunk_ms,
-                "wer": round(wer(refs, hyps), 4),
-                "rtf": round(compute / audio_s, 4),
-                "first_partial_after_word_end_ms": {
-                    "p50": round(1000 * float(np.percentile(delays, 50)), 1) if delays else None,
-                    "p90": round(1000 * float(np.percentile(delays, 90)), 1) if delays else None,
-                    "n": len(delays),
-                    "bound_chunk_plus_lookahead_ms": stage.m.chunk_ms + la,
-                    "word_end": "synthesiser" if all(u.word_ends for u in utts) else "model timestamps",
-                },
-                "examples": [{"ref": r, "hyp": h} for r, h in list(zip(refs, hyps, strict=False))[:5]],
-            }
-            log.info("%s lookahead %g ms: WER %.3f", name, la, entry["streaming"][f"{la:g}"]["wer"])
-        if moonshine is not None:
-            hyps, compute = [], 0.0
-            for u in _progress(utts, f"{name} moonshine", progress):
-                t = time.perf_counter()
-                hyps.append(moonshine.transcribe(u.audio))
-                compute += time.perf_counter() - t
-            entry["moonshine"] = {
-                "wer": round(wer(refs, hyps), 4),
-                "rtf": round(compute / audio_s, 4),
-                "examples": [{"ref": r, "hyp": h} for r, h in list(zip(refs, hyps, strict=False))[:5]],
-            }
-        results["sets"][name] = entry
+
+def _write(args: argparse.Namespace, results: dict[str, Any]) -> int:
     results["summary"] = summary(results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

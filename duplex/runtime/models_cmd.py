@@ -167,6 +167,21 @@ def _check_nemo(cfg: ComponentConfig) -> ComponentReport:
     return ComponentReport(cfg.name, cfg.backend, source, True, f".nemo ({path.stat().st_size / 1e6:.1f} MB)")
 
 
+def _check_moonshine_stream(cfg: ComponentConfig) -> ComponentReport:
+    """Moonshine streamed: the packaged model files, and the project's adapters unless `adapters: false`."""
+    from asr.moonshine_stream_stage import ADAPTERS
+
+    base = _check_package(ComponentConfig(cfg.name, cfg.backend, {"package": "moonshine_cpp"}, {}), "*.ort")
+    if not base.ok or not cfg.options.get("adapters", True):
+        return base
+    path = Path(str(cfg.weights.get("adapters", ADAPTERS))).expanduser()
+    if not path.is_file():
+        return ComponentReport(cfg.name, cfg.backend, str(path), False, f"{path} missing")
+    return ComponentReport(
+        cfg.name, cfg.backend, str(path), True, f"{base.detail}; adapters {path.stat().st_size / 1e6:.1f} MB"
+    )
+
+
 def _check_flow(cfg: ComponentConfig) -> ComponentReport:
     """The flow voice: its weights folder, and the codec it was trained on (by sha256)."""
     from tts.flow_tts import check_flow_weights
@@ -191,6 +206,8 @@ def check_profile(profile: Profile, prepare: bool = False, verify: bool = False)
             reports.append(_check_package(cfg, "*.ort"))
         elif cfg.backend == "nemo-streaming":
             reports.append(_check_nemo(cfg))
+        elif cfg.backend == "moonshine-stream":
+            reports.append(_check_moonshine_stream(cfg))
         elif cfg.backend == "hibari":
             reports.append(_check_package(cfg, "*.onnx"))
         elif cfg.backend == "flow":

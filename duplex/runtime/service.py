@@ -56,7 +56,7 @@ def build_stages(profile: Profile, progress: bool = True, llm_process: StageProc
     backends = {name: c.backend for name, c in profile.components.items()}
     expected = {
         "vad": ("silero-onnx",),
-        "asr": ("moonshine", "nemo-streaming"),
+        "asr": ("moonshine", "moonshine-stream", "nemo-streaming"),
         "llm": ("transformers-gguf", "openai-chat"),
         "tts": TTS_BACKENDS,
         "drafter": ("transformers-gguf",),
@@ -105,6 +105,10 @@ def start_llm_process(profile: Profile, progress: bool = True) -> StageProcess:
 
 def load_asr(cfg: Any) -> Any:
     """The ASR stage for a models.yaml `asr` component; NeMo is imported only for nemo-streaming."""
+    if cfg.backend == "moonshine-stream":
+        from asr.moonshine_stream_stage import load_moonshine_stream_stage
+
+        return load_moonshine_stream_stage(cfg)
     if cfg.backend == "nemo-streaming":
         from asr.nemo_streaming import load_streaming_asr_stage
 
@@ -146,7 +150,8 @@ def warm_up(stages: Stages) -> dict[str, float]:
 
 def _torch_stages(profile: Profile) -> bool:
     """Whether the profile's VAD, ASR or TTS run on torch (the streaming Conformer, the own voice)."""
-    return profile.component("asr").backend == "nemo-streaming" or profile.component("tts").backend == "flow"
+    asr = profile.component("asr").backend
+    return asr in ("nemo-streaming", "moonshine-stream") or profile.component("tts").backend == "flow"
 
 
 def _children_usage(proc: Any) -> dict[str, float]:

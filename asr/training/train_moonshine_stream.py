@@ -1,0 +1,346 @@
+"""Teach Moonshine's encoder to stream: the chunked encoder distilled from the full-context one (no transcripts).
+
+asr/moonshine_stream.py runs Moonshine base-en's packaged encoder chunk by chunk (480 ms chunks, 6 s of left
+context, a running GroupNorm). Frozen, its frames fed to Moonshine's own decoder read 38.7 % WER on the panel's
+natural conversational set, against 6.7 % with full context (docs/asr.md). This recipe trains low-rank adapters
+(LoRA) on every projection of the encoder's layers, and its layer norms, so that the *chunked* encoder's frames
+match what the *full-context* encoder (the same packaged weights, frozen) computes from the same audio: L1 +
+(1 - cosine) per frame. Moonshine's decoder is left as it is and reads the result. Only the adapters are trained
+and shipped (a few MB); the 20 M base weights stay in the moonshine-cpp package.
+
+    python -m asr.training.train_moonshine_stream --make-pool ~/.cache/duplex/mstream-pool --n 4000   # audio
+    python -m asr.training.train_moonshine_stream --run ~/.cache/duplex/runs/mstream1 \\
+        --pool ~/.cache/duplex/mstream-pool --minutes 60                       # train (resumes)
+    python -m asr.training.train_moonshine_stream --run ~/.cache/duplex/runs/mstream1 --export asr/weights
+
+Resumable: the run keeps the adapters, the optimiser, the step, the RNG and the data position (an index into
+the pool's fixed, seeded order), checkpointed every `--ckpt-minutes`; `metrics.jsonl` has the losses and the
+panel checks (Moonshine's decoder on the streaming frames, WER, every `--every` steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from asr.moonshine_stream import ADAPTED, MoonshineStreamingEncoder, load_packaged
+
+EXPORT_NAME = "moonshine_stream_lora.safetensors"
+
+
+class LoRALinear(nn.Module):
+    """y = W x + b + (alpha / r) B A x, with W, b frozen and B zero at the start (the packaged layer exactly)."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float) -> None:
+        super().__init__()
+        self.base = base
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(rank, base.in_features) / math.sqrt(base.in_features))
+        self.b = nn.Parameter(torch.zeros(base.out_features, rank))
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.scale * F.linear(F.linear(x, self.a), self.b)
+
+    def merged(self) -> torch.Tensor:
+        return self.base.weight + self.scale * self.b @ self.a
+
+
+def add_adapters(enc: MoonshineStreamingEncoder, rank: int, alpha: float) -> list[nn.Parameter]:
+    """Freeze the encoder, put LoRA on every layer projection; train those and the layers' norms."""
+    for p in enc.parameters():
+        p.requires_grad_(False)
+    trained: list[nn.Parameter] = []
+    for layer in enc.layers:
+        for name in ADAPTED:
+            lora = LoRALinear(getattr(layer, name), rank, alpha)
+            setattr(layer, name, lora)
+            trained += [lora.a, lora.b]
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.requires_grad_(True)
+            trained.append(norm)
+    enc.final_norm.requires_grad_(True)
+    trained.append(enc.final_norm)
+    return trained
+
+
+def adapter_state(enc: MoonshineStreamingEncoder) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in enc.named_parameters() if v.requires_grad}
+
+
+# -- data -------------------------------------------------------------------------------------------------
+
+
+def make_pool(out: Path, n: int, seed: int, shard: int = 250) -> None:
+    """n clean utterances from the streaming ASR recipe's training voices and text, in shards of 16-bit PCM."""
+    from tqdm.auto import tqdm
+
+    from asr.training.data import corpus
+    from asr.training.pool import make_clean
+    from asr.training.speakers import SpeakerTable, Synth, conversational_sentences, training_speakers
+
+    out.mkdir(parents=True, exist_ok=True)
+    synth, table = Synth(), SpeakerTable(training_speakers())
+    dictionary, conv = corpus()[0], conversational_sentences()
+    for s0 in tqdm(range(0, n, shard), desc="pool shards"):
+        dst = out / f"shard-{seed}-{s0:06d}.npz"
+        if dst.exists():
+            continue
+        audio, texts = [], []
+        for i in range(s0, min(n, s0 + shard)):
+            e = make_clean(synth, table, dictionary, conv, seed, i, max_words=24)
+            audio.append(np.round(np.clip(e.audio, -1, 1) * 32767).astype(np.int16))
+            texts.append(e.text)
+        tmp = dst.with_suffix(".tmp.npz")
+        np.savez(
+            tmp, pcm=np.concatenate(audio), lengths=np.array([a.size for a in audio]), texts=np.array(texts)
+        )
+        os.replace(tmp, dst)
+
+
+def load_pool(pool: Path) -> list[np.ndarray]:
+    out = []
+    for f in sorted(pool.glob("shard-*.npz")):
+        if f.name.endswith(".tmp.npz"):
+            continue
+        with np.load(f) as z:
+            pcm, lengths = z["pcm"], z["lengths"]
+        pos = 0
+        for n in lengths:
+            out.append(pcm[pos : pos + n].astype(np.float32) / 32767)
+            pos += n
+    return out
+
+
+def augment(audio: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Lead and tail silence (the VAD's segments start before the speech), a gain, a little noise."""
+    lead = np.zeros(int(rng.uniform(0.0, 0.5) * 16000), np.float32)
+    tail = np.zeros(int(rng.uniform(0.1, 0.4) * 16000), np.float32)
+    x = np.concatenate([lead, audio, tail])
+    x = x * (rng.uniform(0.2, 0.9) / (np.abs(x).max() + 1e-9))
+    if rng.random() < 0.5:
+        x = x + rng.normal(0, 10 ** rng.uniform(-4, -2.5), x.size)
+    return x.astype(np.float32)
+
+
+# -- evaluation -----------------------------------------------------------------------------------------------
+
+
+class _Hidden:
+    """Stands in for Moonshine's onnx encoder: returns given frames."""
+
+    def __init__(self, h: np.ndarray) -> None:
+        self.h = h
+
+    def run(self, _names, _feed):
+        return [self.h]
+
+
+def panel_wer(
+    enc: MoonshineStreamingEncoder, moonshine, sets: tuple[str, ...], n: int = 60
+) -> dict[str, float]:
+    """Moonshine's decoder on the encoder's offline (chunk-masked) frames, corpus WER per panel set."""
+    from asr.moonshine import decode_tokens
+    from asr.training.panel import panel_set
+    from asr.training.wer import wer
+
+    enc.eval()
+    out = {}
+    saved = moonshine._encoder
+    try:
+        for name in sets:
+            utts = panel_set(name, n)
+            hyps = []
+            for u in utts:
+                with torch.no_grad():
+                    h = enc(torch.from_numpy(u.audio)[None]).numpy()
+                moonshine._encoder = _Hidden(h)
+                hyps.append(decode_tokens(moonshine.tokens, moonshine._greedy(u.audio)))
+            out[name] = 100 * wer([u.text for u in utts], hyps)
+    finally:
+        moonshine._encoder = saved
+        enc.train()
+    return out
+
+
+# -- training -------------------------------------------------------------------------------------------------
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    l1 = (student - teacher).abs().mean()
+    cos = F.cosine_similarity(student, teacher, -1).mean()
+    return l1 + (1 - cos), {"l1": float(l1.detach()), "cos": float(cos.detach())}
+
+
+def train(args: argparse.Namespace) -> None:
+    from asr.moonshine import MoonshineModel
+
+    torch.set_num_threads(args.threads)
+    run = Path(args.run).expanduser()
+    run.mkdir(parents=True, exist_ok=True)
+    cfg_path = run / "run.json"
+    if cfg_path.exists():
+        cfg = json.loads(cfg_path.read_text())
+    else:
+        cfg = {
+            "chunk_frames": args.chunk, "left_frames": args.left, "rank": args.rank, "alpha": args.alpha,
+            "lr": args.lr, "accum": args.accum, "seed": args.seed, "pool": str(Path(args.pool).expanduser()),
+        }  # fmt: skip
+        cfg_path.write_text(json.dumps(cfg, indent=1))
+    teacher = load_packaged(chunk_frames=None, causal_norm=False)
+    student = load_packaged(chunk_frames=cfg["chunk_frames"], left_frames=cfg["left_frames"])
+    params = add_adapters(student, cfg["rank"], cfg["alpha"])
+    opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=0.0)
+    step, position = 0, 0
+    rng = np.random.default_rng(cfg["seed"])
+    ckpt_path = run / "last.pt"
+    if ckpt_path.exists():
+        ck = torch.load(ckpt_path, weights_only=False)
+        student.load_state_dict(ck["model"], strict=False)
+        opt.load_state_dict(ck["opt"])
+        step, position = ck["step"], ck["position"]
+        rng.bit_generator.state = ck["rng"]
+        torch.set_rng_state(ck["torch_rng"])
+        print(f"resumed at step {step}, data position {position}", flush=True)
+    moonshine = MoonshineModel(threads=args.threads)
+    metrics = open(run / "metrics.jsonl", "a")
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+
+    def save() -> None:
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save(
+            {
+                "model": adapter_state(student), "opt": opt.state_dict(), "step": step, "position": position,
+                "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "cfg": cfg,
+            },
+            tmp,
+        )  # fmt: skip
+        os.replace(tmp, ckpt_path)
+
+    if step == 0:
+        row = {"kind": "panel", "step": 0, **panel_wer(student, moonshine, tuple(args.panel))}
+        print(row, flush=True)
+        metrics.write(json.dumps(row) + "\n")
+        metrics.flush()
+    t_end = time.time() + 60 * args.minutes
+    last_ckpt, t_log = time.time(), time.time()
+    acc: dict[str, list[float]] = {"loss": [], "l1": [], "cos": []}
+    shards, pool, order = -1, [], np.zeros(0, np.int64)
+    while time.time() < t_end and not stop["now"] and (args.steps <= 0 or step < args.steps):
+        n_shards = len(list(Path(cfg["pool"]).glob("shard-*[0-9].npz")))
+        if n_shards != shards:  # a pool still being written grows between steps
+            shards, pool = n_shards, load_pool(Path(cfg["pool"]))
+            if not pool:
+                raise SystemExit(f"no pool audio in {cfg['pool']}: make it with --make-pool")
+            order = np.random.default_rng([cfg["seed"], len(pool)]).permutation(len(pool))
+        lr = cfg["lr"] * min(1.0, (step + 1) / args.warmup)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad()
+        for _ in range(cfg["accum"]):
+            audio = augment(pool[order[position % len(pool)]], rng)
+            position += 1
+            x = torch.from_numpy(audio)[None]
+            with torch.no_grad():
+                target = teacher(x)
+            loss, parts = distill_loss(student(x), target)
+            (loss / cfg["accum"]).backward()
+            acc["loss"].append(float(loss))
+            acc["l1"].append(parts["l1"])
+            acc["cos"].append(parts["cos"])
+        nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if step % args.log_every == 0:
+            row = {"kind": "train", "step": step, "lr": lr, "s_per_step": (time.time() - t_log) / args.log_every,
+                   "pool": len(pool), **{k: float(np.mean(v)) for k, v in acc.items()}}  # fmt: skip
+            acc = {k: [] for k in acc}
+            t_log = time.time()
+            print(row, flush=True)
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+        if step % args.every == 0:
+            row = {"kind": "panel", "step": step, **panel_wer(student, moonshine, tuple(args.panel))}
+            print(row, flush=True)
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            save()
+            last_ckpt = time.time()
+        if time.time() - last_ckpt > 60 * args.ckpt_minutes:
+            save()
+            last_ckpt = time.time()
+    save()
+    print(f"stopped at step {step}", flush=True)
+
+
+def export(args: argparse.Namespace) -> None:
+    from safetensors.torch import save_file
+
+    run = Path(args.run).expanduser()
+    ck = torch.load(run / "last.pt", weights_only=False)
+    out = Path(args.export)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.half().contiguous() for k, v in ck["model"].items()}
+    save_file(tensors, str(out / EXPORT_NAME))
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    meta = {
+        "what": "LoRA adapters and layer norms for Moonshine base-en's encoder run chunk by chunk "
+        "(asr/moonshine_stream.py), distilled from its full-context self; fp16",
+        "base": "moonshine-cpp's encoder_model.ort (Moonshine base-en, MIT)",
+        "step": ck["step"],
+        "examples": ck["position"],
+        "cfg": ck["cfg"],
+        "panel": [r for r in rows if r["kind"] == "panel"],
+        "command": "python -m asr.training.train_moonshine_stream --run RUN --pool POOL --minutes M "
+        "(asr/training/train_moonshine_stream.py); export: --export asr/weights",
+    }
+    (out / EXPORT_NAME.replace(".safetensors", ".json")).write_text(json.dumps(meta, indent=1))
+    print(f"wrote {out / EXPORT_NAME} ({sum(v.numel() for v in tensors.values()) / 1e6:.2f} M values)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", default="~/.cache/duplex/runs/mstream1")
+    ap.add_argument("--pool", default="~/.cache/duplex/mstream-pool")
+    ap.add_argument("--make-pool", default=None, help="write a pool of n utterances to this folder and exit")
+    ap.add_argument("--n", type=int, default=4000)
+    ap.add_argument("--export", default=None)
+    ap.add_argument("--minutes", type=float, default=60)
+    ap.add_argument("--steps", type=int, default=0, help="stop at this step (0: only --minutes)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--chunk", type=int, default=20)
+    ap.add_argument("--left", type=int, default=250)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--alpha", type=float, default=32.0)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--accum", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=78)
+    ap.add_argument("--every", type=int, default=200)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--ckpt-minutes", type=float, default=8)
+    ap.add_argument("--panel", nargs="+", default=["natural-conversational", "heldout-synthetic"])
+    args = ap.parse_args(argv)
+    if args.make_pool:
+        make_pool(Path(args.make_pool).expanduser(), args.n, args.seed)
+    elif args.export:
+        export(args)
+    else:
+        train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
