@@ -407,6 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. cpu-flow) on the same models (OUT/tts-*/ and OUT/compare-tts.txt)",
     )
     b.add_argument(
+        "--compare-asr",
+        default=None,
+        metavar="PROFILE",
+        help="with --serve: the same conversation heard by the served profile's recogniser, then by PROFILE's "
+        "(e.g. cpu-moonshine-stream) on the same models (OUT/asr-*/ and OUT/compare-asr.txt)",
+    )
+    b.add_argument(
         "--calibrate",
         action="store_true",
         help="with --sessions: record the largest N within every target as this device's capacity "

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from duplex.bench.common import QUESTIONS, VOICES, BenchError, InProcessServer, make_synth
 from duplex.bench.report import format_table
 from duplex.bench.serve import run_bench
@@ -73,12 +75,13 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if getattr(args, "compare_tts", None) and not args.serve:
-        print(
-            "duplex bench: --compare-tts needs --serve (it swaps the voice of the service it loads)",
-            file=sys.stderr,
-        )
-        return 2
+    for kind in ("tts", "asr"):
+        if getattr(args, f"compare_{kind}", None) and not args.serve:
+            print(
+                f"duplex bench: --compare-{kind} needs --serve (it swaps the {kind} stage of the service it loads)",
+                file=sys.stderr,
+            )
+            return 2
     counts = [args.turns, args.barge_ins, *cases.values()]
     cases["cut_audio"] = str(getattr(args, "pause_audio", None) or "whole")
     if not transports and (min(counts) < 0 or sum(counts) == 0):
@@ -151,8 +154,9 @@ def main(args: argparse.Namespace) -> int:
             return _compare_sessions(
                 url, args, synth, options, seed, voice, cases, "compare-speech-end", SPEECH_END_VARIANTS
             )
-        if getattr(args, "compare_tts", None):
-            return _compare_tts(url, service, args, synth, options, seed, voice, cases)
+        for kind in ("tts", "asr"):
+            if getattr(args, f"compare_{kind}", None):
+                return _compare_stage(kind, url, service, args, synth, options, seed, voice, cases)
         result = asyncio.run(
             run_bench(
                 url,
@@ -544,7 +548,8 @@ def _gaps(g: dict[str, Any] | None) -> str:
     return "-" if not g else f"{g['answers_with_gaps']}/{g['answers']}"
 
 
-def _compare_tts(
+def _compare_stage(
+    kind: str,
     url: str,
     service: Any,
     args: argparse.Namespace,
@@ -554,32 +559,35 @@ def _compare_tts(
     voice: str,
     cases: dict[str, Any],
 ) -> int:
-    """--compare-tts PROFILE: the same conversation spoken by the served profile's voice, then by PROFILE's
-    voice on the same models (only the TTS stage swapped), each on its own in-process server; one results
-    folder per voice (OUT/tts-*) and a table: onset, barge-in reaction, leaked frames, failures."""
+    """--compare-tts / --compare-asr PROFILE: the same conversation with the served profile's stage, then with
+    PROFILE's (only that stage swapped, the other models shared), each on its own in-process server; one results
+    folder per variant (OUT/tts-* or OUT/asr-*) and a table: onset, barge-in reaction, leaked frames, failures."""
     from dataclasses import replace
 
     from duplex.base.config import ConfigError, load_profile
     from duplex.base.errors import ModelError
-    from duplex.runtime.service import DuplexService
+    from duplex.base.messages import AsrChunk, TtsInput
+    from duplex.runtime.service import DuplexService, load_asr
     from tts.loading import load_tts
 
+    name_of = getattr(args, f"compare_{kind}")
     try:
-        other = load_profile(args.compare_tts)
-        tts = load_tts(other.component("tts"))
+        other = load_profile(name_of)
+        stage = (load_tts if kind == "tts" else load_asr)(other.component(kind))
     except (ConfigError, ModelError) as exc:
-        print(f"duplex bench: --compare-tts {args.compare_tts}: {exc}", file=sys.stderr)
+        print(f"duplex bench: --compare-{kind} {name_of}: {exc}", file=sys.stderr)
         return 2
-    from duplex.base.messages import TtsInput
-
-    tts.step(tts.init_state(), TtsInput("Warm up, please.", True))  # lazy initialisation, as warm_up does
+    # lazy initialisation, as warm_up does
+    if kind == "tts":
+        stage.step(stage.init_state(), TtsInput("Warm up, please.", True))
+        stages = replace(service.stages, tts=stage)
+    else:
+        noise = (0.01 * np.random.default_rng(0).standard_normal(16000)).astype(np.float32)
+        stage.step(stage.init_state(), AsrChunk(noise, transcribe=True, final=True))
+        stages = replace(service.stages, asr=stage, asr_streaming=bool(stage.streaming))
     variants = [
-        (f"tts-{service.profile.component('tts').backend}", service, None),
-        (
-            f"tts-{other.component('tts').backend}",
-            DuplexService(other, replace(service.stages, tts=tts)),
-            True,
-        ),
+        (f"{kind}-{service.profile.component(kind).backend}", service, None),
+        (f"{kind}-{other.component(kind).backend}", DuplexService(other, stages), True),
     ]
     rows: list[tuple[str, dict[str, Any]]] = []
     for name, svc, own in variants:
@@ -607,17 +615,17 @@ def _compare_tts(
         rows.append((name, result["summary"]))
     lines = [
         "",
-        f"{'voice':<14}{'onset P50':>10}{'P90':>8}{'n':>5}{'barge-in P50':>14}{'leaked':>8}{'failed':>8}",
+        f"{kind:<18}{'onset P50':>10}{'P90':>8}{'n':>5}{'barge-in P50':>14}{'leaked':>8}{'failed':>8}",
     ]
     for name, sm in rows:
         on, bi = sm.get("onset_s") or {}, sm.get("barge_in_reaction_s") or {}
 
         failed = sm.get("turns_failed", 0) + sm.get("barge_ins_failed", 0)
         lines.append(
-            f"{name:<14}{_ms(on.get('p50')):>10}{_ms(on.get('p90')):>8}{on.get('n', 0):>5}{_ms(bi.get('p50')):>14}"
+            f"{name:<18}{_ms(on.get('p50')):>10}{_ms(on.get('p90')):>8}{on.get('n', 0):>5}{_ms(bi.get('p50')):>14}"
             f"{sm.get('leaked_frames_total', 0)!s:>8}{failed!s:>8}"
         )
-    return _save_comparison(Path(args.out), "compare-tts", lines, rows)
+    return _save_comparison(Path(args.out), f"compare-{kind}", lines, rows)
 
 
 def _ms(x: Any) -> str:

@@ -194,3 +194,22 @@ def test_stage_rejects_stereo() -> None:
     stage = _stage()
     with pytest.raises(ValueError, match="mono"):
         stage.step(stage.init_state(), AsrChunk(np.zeros((2, 100), np.float32)))
+
+
+@pytest.mark.integration
+def test_the_profile_loads_and_hears_a_question() -> None:
+    from duplex.base.config import load_profile
+    from duplex.base.messages import AsrChunk
+    from duplex.runtime.service import load_asr
+    from tests.speech import silence, synthesize
+
+    stage = load_asr(load_profile("cpu-moonshine-stream").component("asr"))
+    audio = np.concatenate([silence(0.2), synthesize("What is the capital of France?"), silence(0.3)])
+    state, texts = stage.init_state(), []
+    for start in range(0, audio.size, 8000):
+        last = start + 8000 >= audio.size
+        out, state = stage.step(state, AsrChunk(audio[start : start + 8000], transcribe=True, final=last))
+        texts.append(out.text)
+    assert "capital" in texts[-1].lower() and "france" in texts[-1].lower(), texts
+    assert out.p_complete is not None
+    assert any(t for t in texts[:-1])  # words arrive before the final

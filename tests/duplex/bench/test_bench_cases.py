@@ -401,11 +401,12 @@ def test_compare_early_answers_the_same_plan_with_early_answers_off_then_on(tmp_
     assert "early-on" in (tmp_path / "compare-early.txt").read_text()
 
 
-def test_compare_tts_needs_serve(capsys) -> None:
+@pytest.mark.parametrize("kind, profile", [("tts", "cpu-flow"), ("asr", "cpu-moonshine-stream")])
+def test_compare_stage_needs_serve(capsys, kind: str, profile: str) -> None:
     from duplex.cli import main as duplex_main
 
-    assert duplex_main(["bench", "--compare-tts", "cpu-flow"]) == 2
-    assert "--compare-tts needs --serve" in capsys.readouterr().err
+    assert duplex_main(["bench", f"--compare-{kind}", profile]) == 2
+    assert f"--compare-{kind} needs --serve" in capsys.readouterr().err
 
 
 class _PairSynth:
