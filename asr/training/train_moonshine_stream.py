@@ -12,6 +12,7 @@ and shipped (a few MB); the 20 M base weights stay in the moonshine-cpp package.
     python -m asr.training.train_moonshine_stream --run ~/.cache/duplex/runs/mstream1 \\
         --pool ~/.cache/duplex/mstream-pool --minutes 60                       # train (resumes)
     python -m asr.training.train_moonshine_stream --run ~/.cache/duplex/runs/mstream1 --export asr/weights
+    python -m asr.training.train_moonshine_stream --run RUN --init asr/weights --minutes 60   # a fresh clone
 
 Resumable: the run keeps the adapters, the optimiser, the step, the RNG and the data position (an index into
 the pool's fixed, seeded order), checkpointed every `--ckpt-minutes`; `metrics.jsonl` has the losses and the
@@ -213,6 +214,22 @@ def train(args: argparse.Namespace) -> None:
         rng.bit_generator.state = ck["rng"]
         torch.set_rng_state(ck["torch_rng"])
         print(f"resumed at step {step}, data position {position}", flush=True)
+    elif args.init:  # a fresh clone: go on from the shipped adapters (with a fresh optimiser)
+        from safetensors.torch import load_file
+
+        src = Path(args.init) / EXPORT_NAME
+        meta = json.loads(src.with_suffix(".json").read_text())
+        if (meta["cfg"]["chunk_frames"], meta["cfg"]["rank"]) != (cfg["chunk_frames"], cfg["rank"]):
+            raise SystemExit(
+                f"--init {src}: trained for chunk/rank {meta['cfg']['chunk_frames']}/{meta['cfg']['rank']}"
+            )
+        missing = student.load_state_dict(
+            {k: v.float() for k, v in load_file(str(src)).items()}, strict=False
+        )
+        if missing.unexpected_keys:
+            raise SystemExit(f"--init {src}: unexpected tensors {missing.unexpected_keys[:3]}")
+        step, position = int(meta["step"]), int(meta["examples"])
+        print(f"initialised from {src} at step {step}", flush=True)
     moonshine = MoonshineModel(threads=args.threads)
     metrics = open(run / "metrics.jsonl", "a")
     stop = {"now": False}
@@ -317,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--make-pool", default=None, help="write a pool of n utterances to this folder and exit")
     ap.add_argument("--n", type=int, default=4000)
     ap.add_argument("--export", default=None)
+    ap.add_argument(
+        "--init", default=None, help="a new run starts from these exported adapters (e.g. asr/weights)"
+    )
     ap.add_argument("--minutes", type=float, default=60)
     ap.add_argument("--steps", type=int, default=0, help="stop at this step (0: only --minutes)")
     ap.add_argument("--threads", type=int, default=1)
