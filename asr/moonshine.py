@@ -291,16 +291,21 @@ class MoonshineAsrStage(SequentialBatchMixin[AsrState, AsrChunk, AsrResult]):
         return AsrState(draft=state.draft)
 
 
+def load_end_of_turn(cfg: ComponentConfig) -> EndOfTurnModel | None:
+    """The acoustic end-of-turn cue (asr.end_of_turn) an `asr` component asks for (`end_of_turn`, default on)."""
+    if not cfg.options.get("end_of_turn", True):
+        return None
+    path = Path(str(cfg.options.get("end_of_turn_weights", END_OF_TURN_WEIGHTS)))
+    if not path.exists():
+        raise ConfigError(f"component {cfg.name!r}: no acoustic end-of-turn weights at {path}")
+    return EndOfTurnModel.load(path)
+
+
 def load_asr_stage(cfg: ComponentConfig) -> MoonshineAsrStage:
     """Build the ASR stage from the models.yaml `asr` component (backend `moonshine`)."""
     if cfg.backend != "moonshine":
         raise ConfigError(f"component {cfg.name!r}: unknown ASR backend {cfg.backend!r} (known: moonshine)")
-    end_of_turn = None
-    if cfg.options.get("end_of_turn", True):  # the acoustic end-of-turn cue (asr.end_of_turn)
-        path = Path(str(cfg.options.get("end_of_turn_weights", END_OF_TURN_WEIGHTS)))
-        if not path.exists():
-            raise ConfigError(f"component {cfg.name!r}: no acoustic end-of-turn weights at {path}")
-        end_of_turn = EndOfTurnModel.load(path)
+    end_of_turn = load_end_of_turn(cfg)
     package = str(cfg.weights.get("package", "moonshine_cpp"))
     model = MoonshineModel(
         instances=int(cfg.options.get("instances", 1)),

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from asr.end_of_turn import EndOfTurnModel
-from asr.moonshine import END_OF_TURN_WEIGHTS, MoonshineModel, decode_tokens
+from asr.moonshine import MoonshineModel, decode_tokens, load_end_of_turn
 from duplex.base.audio import SAMPLE_RATE
 from duplex.base.config import ComponentConfig, ConfigError
 from duplex.base.devices import Threads, check_threads, torch_threads
@@ -146,12 +146,7 @@ def load_moonshine_stream_stage(cfg: ComponentConfig) -> MoonshineStreamAsrStage
                 f"component {cfg.name!r}: the adapters were trained for chunk_frames {meta['cfg']['chunk_frames']}"
             )
         merge_adapters(encoder, load_file(str(path)), int(meta["cfg"]["rank"]), float(meta["cfg"]["alpha"]))
-    end_of_turn = None
-    if opts.get("end_of_turn", True):
-        eot = Path(str(opts.get("end_of_turn_weights", END_OF_TURN_WEIGHTS)))
-        if not eot.exists():
-            raise ConfigError(f"component {cfg.name!r}: no acoustic end-of-turn weights at {eot}")
-        end_of_turn = EndOfTurnModel.load(eot)
+    end_of_turn = load_end_of_turn(cfg)
     model = MoonshineModel(instances=int(opts.get("instances", 1)), threads=int(opts.get("threads", 1)))
     threads = check_threads(opts.get("threads", 1), "asr")
     return MoonshineStreamAsrStage(encoder, model, end_of_turn, threads)
