@@ -280,31 +280,11 @@ def merge_adapters(
 
 def packaged_state_dict(package: str = "moonshine_cpp") -> dict[str, torch.Tensor]:
     """The encoder's weights from moonshine-cpp's `encoder_model.ort`, dequantised, named for this module."""
-    from onnx import numpy_helper
-
     from asr.moonshine import model_file
     from asr.ort_format import ort_to_onnx
+    from asr.ort_weights import GraphWeights
 
-    g = ort_to_onnx(model_file("encoder_model.ort", package)).graph
-    init = {t.name: numpy_helper.to_array(t) for t in g.initializer}
-    producer = {o: n for n in g.node for o in n.output}
-
-    def value(name: str) -> np.ndarray:
-        if name in init:
-            return init[name].astype(np.float32)
-        node = producer[name]
-        if node.op_type == "Cast":
-            return value(node.input[0])
-        if node.op_type == "Mul":
-            return value(node.input[0]) * value(node.input[1])
-        if node.op_type == "Add":
-            return value(node.input[0]) + value(node.input[1])
-        raise ValueError(f"unexpected weight producer {node.op_type} for {name}")
-
-    nodes = {n.name: n for n in g.node}
-
-    def weight_of(node_name: str, index: int = 1) -> np.ndarray:
-        return value(nodes[node_name].input[index])
+    weight_of = GraphWeights(ort_to_onnx(model_file("encoder_model.ort", package)).graph).input_of
 
     sd: dict[str, np.ndarray] = {
         "conv1.weight": weight_of("/conv1/Conv"),

@@ -5,8 +5,15 @@ context, a running GroupNorm). Frozen, its frames fed to Moonshine's own decoder
 natural conversational set, against 6.7 % with full context (docs/asr.md). This recipe trains low-rank adapters
 (LoRA) on every projection of the encoder's layers, and its layer norms, so that the *chunked* encoder's frames
 match what the *full-context* encoder (the same packaged weights, frozen) computes from the same audio: L1 +
-(1 - cosine) per frame. Moonshine's decoder is left as it is and reads the result. Only the adapters are trained
-and shipped (a few MB); the 20 M base weights stay in the moonshine-cpp package.
+(1 - cosine) per frame (`--objective features`). Moonshine's decoder is left as it is and reads the result. Only
+the adapters are trained and shipped (a few MB); the 20 M base weights stay in the moonshine-cpp package.
+
+Feature distillation plateaus (20 % from step 200 on): it weighs every dimension of every frame alike, while
+the decoder reads a few of them closely. `--objective decoder` trains on what the decoder makes of the frames
+instead: the packaged decoder runs in torch (asr/moonshine_decoder.py, frozen) teacher-forced on the full-context
+model's own greedy transcript, and the loss is KL(full-context || chunked) of its next-token distributions,
+plus `--feat-weight` x the feature loss as a regulariser. Still no transcripts: the full-context model is the
+teacher (sequence-level distillation).
 
     python -m asr.training.train_moonshine_stream --make-pool ~/.cache/duplex/mstream-pool --n 4000   # audio
     python -m asr.training.train_moonshine_stream --run ~/.cache/duplex/runs/mstream1 \\
@@ -184,6 +191,24 @@ def distill_loss(student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Te
     return l1 + (1 - cos), {"l1": float(l1.detach()), "cos": float(cos.detach())}
 
 
+def decoder_loss(
+    decoder, student: torch.Tensor, teacher: torch.Tensor, tokens: list[int], temperature: float = 1.0
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """What Moonshine's (frozen) decoder reads from the student's frames against what it reads from the teacher's:
+    KL(teacher || student) of the next-token distributions, teacher-forced on the teacher's own greedy
+    transcript (`tokens`, without BOS/EOS), averaged over its positions (the last predicts EOS); and how often
+    the student's argmax is the teacher's token."""
+    from asr.moonshine import BOS
+
+    ids = torch.tensor([[BOS, *tokens]])
+    with torch.no_grad():
+        target = F.log_softmax(decoder(ids, teacher)[0] / temperature, -1)
+    logp = F.log_softmax(decoder(ids, student)[0] / temperature, -1)
+    kl = (target.exp() * (target - logp)).sum(-1).mean() * temperature**2
+    agree = (logp.argmax(-1) == target.argmax(-1)).float().mean()
+    return kl, {"kl": float(kl.detach()), "agree": float(agree)}
+
+
 def train(args: argparse.Namespace) -> None:
     from asr.moonshine import MoonshineModel
 
@@ -197,6 +222,7 @@ def train(args: argparse.Namespace) -> None:
         cfg = {
             "chunk_frames": args.chunk, "left_frames": args.left, "rank": args.rank, "alpha": args.alpha,
             "lr": args.lr, "accum": args.accum, "seed": args.seed, "pool": str(Path(args.pool).expanduser()),
+            "objective": args.objective, "feat_weight": args.feat_weight, "temperature": args.temperature,
         }  # fmt: skip
         cfg_path.write_text(json.dumps(cfg, indent=1))
     teacher = load_packaged(chunk_frames=None, causal_norm=False)
@@ -229,8 +255,17 @@ def train(args: argparse.Namespace) -> None:
         if missing.unexpected_keys:
             raise SystemExit(f"--init {src}: unexpected tensors {missing.unexpected_keys[:3]}")
         step, position = int(meta["step"]), int(meta["examples"])
+        cfg["opt_start"] = step  # the fresh optimiser warms up again
+        cfg["earlier"] = {k: meta.get(k) for k in ("step", "examples", "cfg", "panel", "what")}
+        cfg_path.write_text(json.dumps(cfg, indent=1))
         print(f"initialised from {src} at step {step}", flush=True)
     moonshine = MoonshineModel(threads=args.threads)
+    objective = cfg.get("objective", "features")  # runs from before the decoder objective distilled features
+    decoder = None
+    if objective == "decoder":
+        from asr.moonshine_decoder import load_packaged_decoder
+
+        decoder = load_packaged_decoder()
     metrics = open(run / "metrics.jsonl", "a")
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
@@ -254,6 +289,8 @@ def train(args: argparse.Namespace) -> None:
     t_end = time.time() + 60 * args.minutes
     last_ckpt, t_log = time.time(), time.time()
     acc: dict[str, list[float]] = {"loss": [], "l1": [], "cos": []}
+    if decoder is not None:
+        acc.update(kl=[], agree=[])
     shards, pool, order = -1, [], np.zeros(0, np.int64)
     while time.time() < t_end and not stop["now"] and (args.steps <= 0 or step < args.steps):
         n_shards = len(list(Path(cfg["pool"]).glob("shard-*[0-9].npz")))
@@ -262,7 +299,7 @@ def train(args: argparse.Namespace) -> None:
             if not pool:
                 raise SystemExit(f"no pool audio in {cfg['pool']}: make it with --make-pool")
             order = np.random.default_rng([cfg["seed"], len(pool)]).permutation(len(pool))
-        lr = cfg["lr"] * min(1.0, (step + 1) / args.warmup)
+        lr = cfg["lr"] * min(1.0, (step - cfg.get("opt_start", 0) + 1) / args.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad()
@@ -272,11 +309,18 @@ def train(args: argparse.Namespace) -> None:
             x = torch.from_numpy(audio)[None]
             with torch.no_grad():
                 target = teacher(x)
-            loss, parts = distill_loss(student(x), target)
+            frames = student(x)
+            loss, parts = distill_loss(frames, target)
+            if decoder is not None:
+                tokens = moonshine.decode_frames(target.numpy(), audio.size)
+                kl, more = decoder_loss(decoder, frames, target, tokens, cfg.get("temperature", 1.0))
+                loss = kl + cfg.get("feat_weight", 0.0) * loss
+                parts.update(more)
             (loss / cfg["accum"]).backward()
-            acc["loss"].append(float(loss))
-            acc["l1"].append(parts["l1"])
-            acc["cos"].append(parts["cos"])
+            acc["loss"].append(float(loss.detach()))
+            for k in acc:
+                if k != "loss":
+                    acc[k].append(parts[k])
         nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
@@ -312,14 +356,18 @@ def export(args: argparse.Namespace) -> None:
     tensors = {k: v.half().contiguous() for k, v in ck["model"].items()}
     save_file(tensors, str(out / EXPORT_NAME))
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    cfg = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else ck["cfg"]
+    earlier = cfg.get("earlier") or {}
     meta = {
         "what": "LoRA adapters and layer norms for Moonshine base-en's encoder run chunk by chunk "
-        "(asr/moonshine_stream.py), distilled from its full-context self; fp16",
+        "(asr/moonshine_stream.py), distilled from its full-context self "
+        f"(objective: {ck['cfg'].get('objective', 'features')}); fp16",
         "base": "moonshine-cpp's encoder_model.ort (Moonshine base-en, MIT)",
         "step": ck["step"],
         "examples": ck["position"],
         "cfg": ck["cfg"],
-        "panel": [r for r in rows if r["kind"] == "panel"],
+        "panel": (earlier.get("panel") or []) + [r for r in rows if r["kind"] == "panel"],
+        "earlier": {k: v for k, v in earlier.items() if k != "panel"} or None,
         "command": "python -m asr.training.train_moonshine_stream --run RUN --pool POOL --minutes M "
         "(asr/training/train_moonshine_stream.py); export: --export asr/weights",
     }
@@ -351,6 +399,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=200)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--ckpt-minutes", type=float, default=8)
+    ap.add_argument(
+        "--objective",
+        choices=("features", "decoder"),
+        default="features",
+        help="features: L1 + (1 - cos) to the full-context frames; decoder: KL of Moonshine's decoder's next-token "
+        "distributions on the student's vs the full-context frames (+ --feat-weight x features)",
+    )
+    ap.add_argument("--feat-weight", type=float, default=0.1)
+    ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--panel", nargs="+", default=["natural-conversational", "heldout-synthetic"])
     args = ap.parse_args(argv)
     if args.make_pool:

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from asr.moonshine_stream import HOP, MoonshineStreamingEncoder, frames_for, merge_adapters
-from asr.training.train_moonshine_stream import adapter_state, add_adapters, augment, distill_loss
+from asr.training.train_moonshine_stream import (
+    adapter_state,
+    add_adapters,
+    augment,
+    decoder_loss,
+    distill_loss,
+)
 
 
 def _encoder(**kw) -> MoonshineStreamingEncoder:
@@ -92,6 +98,43 @@ def test_distill_loss_is_zero_only_for_the_teacher() -> None:
     assert float(distill_loss(t + 0.5, t)[0]) > 0.4
 
 
+def test_decoder_loss_is_zero_for_the_teacher_and_reaches_the_student_frames() -> None:
+    from asr.moonshine_decoder import MoonshineDecoder
+
+    torch.manual_seed(0)
+    dec = MoonshineDecoder(vocab=50)
+    with torch.no_grad():
+        for p in dec.parameters():
+            p.normal_(0, 0.2)
+    for p in dec.parameters():
+        p.requires_grad_(False)
+    teacher = torch.randn(1, 30, 416)
+    same, parts = decoder_loss(dec, teacher.clone(), teacher, [5, 7, 9])
+    assert float(same) == pytest.approx(0.0, abs=1e-5) and parts["agree"] == 1.0
+    student = (teacher + torch.randn(1, 30, 416)).requires_grad_(True)
+    loss, _ = decoder_loss(dec, student, teacher, [5, 7, 9])
+    loss.backward()
+    assert float(loss) > 1e-3 and float(student.grad.abs().sum()) > 0
+    assert not any(p.grad is not None for p in dec.parameters())  # the decoder stays frozen
+
+
+def test_decoder_is_causal_and_ignores_padded_frames() -> None:
+    from asr.moonshine_decoder import MoonshineDecoder
+
+    torch.manual_seed(1)
+    dec = MoonshineDecoder(vocab=40)
+    with torch.no_grad():
+        for p in dec.parameters():
+            p.normal_(0, 0.2)
+    frames = torch.randn(1, 12, 416)
+    a = dec(torch.tensor([[1, 5, 6, 7]]), frames)
+    b = dec(torch.tensor([[1, 5, 6, 9]]), frames)
+    assert torch.allclose(a[:, :3], b[:, :3], atol=1e-5) and not torch.allclose(a[:, 3], b[:, 3])
+    padded = torch.cat([frames, torch.randn(1, 5, 416)], 1)
+    c = dec(torch.tensor([[1, 5, 6, 7]]), padded, n_frames=torch.tensor([12]))
+    assert torch.allclose(a, c, atol=1e-5)
+
+
 def test_augment_adds_silence_and_bounds_the_level() -> None:
     audio = (0.3 * np.sin(np.arange(16000) / 10)).astype(np.float32)
     x = augment(audio, np.random.default_rng(0))
@@ -127,6 +170,27 @@ def test_the_port_is_moonshines_encoder_and_its_frames_are_heard() -> None:
     model._encoder = Frames()
     text = decode_tokens(model.tokens, model._greedy(audio)).lower()
     assert "capital" in text and "france" in text, text
+
+
+@pytest.mark.integration
+def test_the_decoder_port_gives_the_packaged_decoders_logits() -> None:
+    from asr.moonshine import BOS, MoonshineModel
+    from asr.moonshine_decoder import load_packaged_decoder
+    from tests.speech import silence, synthesize
+
+    audio = np.concatenate([silence(0.2), synthesize("Turn the lights off in the kitchen."), silence(0.3)])
+    model = MoonshineModel(threads=1)
+    hidden = model._encoder.run(None, {"input_values": audio[None]})[0]
+    prompt = [BOS, *model.transcribe_ids(audio)]
+    past = {n: np.zeros((1, h, 0, d), np.float32) for n, (h, d) in model._past_shape.items()}
+    feed = {"input_ids": np.array([prompt], np.int64), "encoder_hidden_states": hidden,
+            "use_cache_branch": np.array([False]), **past}  # fmt: skip
+    ort = model._decoder.run(None, feed)[0]
+    with torch.no_grad():
+        ours = load_packaged_decoder()(torch.tensor([prompt]), torch.from_numpy(hidden)).numpy()
+    assert ours.shape == ort.shape and len(prompt) > 4
+    assert np.abs(ours - ort).max() < 1e-3
+    assert (ours.argmax(-1) == ort.argmax(-1)).all()
 
 
 # -- the stage ------------------------------------------------------------------------------------------------
