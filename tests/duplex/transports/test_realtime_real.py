@@ -178,7 +178,9 @@ async def test_voice_app_with_the_official_client(live, say):
         knight = (await events.wait_for("response.created", count=3)).response.id
         await events.wait_for("response.output_audio.delta", count=25, response_id=knight, limit_s=60)
         t_first = events.times("response.output_audio.delta", response_id=knight)[0]
-        await mic.say(say("Stop, what is two plus two?"))
+        # (not "two plus two": Moonshine hears "too plus two" in about one run in four, and the 0.5B answers
+        # that by resuming the story; the protocol, not the recogniser, is what this test checks)
+        await mic.say(say("Stop, what is the capital of Italy?"))
         interrupted = await events.wait_for("response.done", count=3, limit_s=30)
         assert interrupted.response.id == knight and interrupted.response.status == "cancelled"
         assert interrupted.response.status_details.reason == "turn_detected"
@@ -193,10 +195,10 @@ async def test_voice_app_with_the_official_client(live, say):
         second_question = (
             await events.wait_for("conversation.item.input_audio_transcription.completed", count=2)
         ).transcript
-        assert "two" in second_question.lower() or "2" in second_question, second_question
+        assert "italy" in second_question.lower(), second_question
         reply = await events.wait_for("response.done", count=4, limit_s=60)
         assert reply.response.status == "completed"
         text = reply.response.output[0].content[0].transcript.lower()
-        assert "four" in text or "4" in text, text
+        assert "rome" in text, text
         assert not events.of("error"), events.of("error")
         assert loop.time() - events.items[0][0] < 90
