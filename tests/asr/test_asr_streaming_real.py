@@ -32,7 +32,7 @@ def stage():
     torch.set_num_threads(1)
     from duplex.runtime.service import load_asr
 
-    return load_asr(load_profile("cpu-streaming").component("asr"))
+    return load_asr(load_profile("cpu-fastconformer").component("asr"))
 
 
 def words_of(text: str) -> set[str]:
@@ -96,7 +96,7 @@ def test_session_core_on_the_streaming_asr_transcribes_while_the_user_speaks(sta
     from asr.vad import load_vad_stage
     from duplex.testing.replay import FakeClock, replay
 
-    profile = load_profile("cpu-streaming")
+    profile = load_profile("cpu-fastconformer")
     from duplex.testing.fakes import fake_stages
 
     stages = fake_stages(lambda history: "paris is the capital of france")

@@ -267,7 +267,7 @@ def test_the_profile_loads_and_hears_a_question() -> None:
     from duplex.runtime.service import load_asr
     from tests.speech import silence, synthesize
 
-    stage = load_asr(load_profile("cpu-moonshine-stream").component("asr"))
+    stage = load_asr(load_profile("cpu-streaming").component("asr"))
     audio = np.concatenate([silence(0.2), synthesize("What is the capital of France?"), silence(0.3)])
     state, texts = stage.init_state(), []
     for start in range(0, audio.size, 8000):
