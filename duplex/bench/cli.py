@@ -615,16 +615,21 @@ def _compare_stage(
         rows.append((name, result["summary"]))
     lines = [
         "",
-        f"{kind:<18}{'onset P50':>10}{'P90':>8}{'n':>5}{'barge-in P50':>14}{'leaked':>8}{'failed':>8}",
+        f"{kind:<22}{'onset P50':>10}{'P90':>8}{'n':>5}{'barge-in P50':>14}{'leaked':>8}{'failed':>8}"
+        f"{'heard exactly':>15}{'misheard':>10}",
     ]
     for name, sm in rows:
         on, bi = sm.get("onset_s") or {}, sm.get("barge_in_reaction_s") or {}
-
+        h = sm.get("heard") or {}
         failed = sm.get("turns_failed", 0) + sm.get("barge_ins_failed", 0)
         lines.append(
-            f"{name:<18}{_ms(on.get('p50')):>10}{_ms(on.get('p90')):>8}{on.get('n', 0):>5}{_ms(bi.get('p50')):>14}"
+            f"{name:<22}{_ms(on.get('p50')):>10}{_ms(on.get('p90')):>8}{on.get('n', 0):>5}{_ms(bi.get('p50')):>14}"
             f"{sm.get('leaked_frames_total', 0)!s:>8}{failed!s:>8}"
+            f"{str(h.get('word_for_word', '-')) + '/' + str(h.get('n', '-')):>15}{len(h.get('misheard', [])):>10}"
         )
+    for name, sm in rows:
+        for m in (sm.get("heard") or {}).get("misheard", []):
+            lines.append(f"  {name}: asked {m['text']!r}, heard {m['transcript']!r}")
     return _save_comparison(Path(args.out), f"compare-{kind}", lines, rows)
 
 

@@ -68,6 +68,13 @@ def format_table(result: dict[str, Any]) -> str:
         f"response.interrupted: {s['leaked_frames_total']}; VAD-split turns: {s['split_turns']}; barge-ins "
         f"not measurable (answer audio stalled at the interruption): {s['barge_ins_stalled']}"
     )
+    if s.get("heard") is not None:
+        h = s["heard"]
+        lines.append(
+            f"heard: {h['word_for_word']} of {h['n']} answered turns word for word; misheard (> 1/3 of the words "
+            f"wrong): {len(h['misheard'])}"
+            + "".join(f"\n  asked {m['text']!r}, heard {m['transcript']!r}" for m in h["misheard"])
+        )
     if s.get("answer_gaps") is not None:
         g = s["answer_gaps"]
         lines.append(

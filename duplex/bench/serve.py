@@ -96,6 +96,36 @@ log = logging.getLogger("duplex.bench.serve")
 # -- the run -----------------------------------------------------------------------------
 
 
+_SPELLING = {"colour": "color", "favourite": "favorite", "grey": "gray", "centre": "center", "metre": "meter"}
+
+
+def heard(turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """How well the server heard what was asked: each answered turn's final transcript against the text spoken
+    (normalised words): how many word for word, and those with more than a third of their words wrong (an answer
+    to another question than the one asked)."""
+    from asr.training.wer import normalize_text, word_errors
+
+    def spelled(text: str) -> str:  # British and American spellings are the same words
+        return " ".join(_SPELLING.get(w, w) for w in normalize_text(text).split())
+
+    scored = []
+    for t in turns:
+        text, said = t.get("text"), t.get("transcript")
+        if not t.get("ok") or not text or said is None:
+            continue
+        words = max(len(normalize_text(text).split()), 1)
+        scored.append((t, word_errors(spelled(text), spelled(said)) / words))
+    return {
+        "n": len(scored),
+        "word_for_word": sum(1 for _, e in scored if e == 0),
+        "misheard": [
+            {"text": t["text"], "transcript": t["transcript"], "wer": round(e, 3)}
+            for t, e in scored
+            if e > 1 / 3
+        ],
+    }
+
+
 def _summary(turns: list[dict[str, Any]], barge_ins: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [t for t in turns if t.get("ok")]
     server = {
@@ -125,6 +155,7 @@ def _summary(turns: list[dict[str, Any]], barge_ins: list[dict[str, Any]]) -> di
         "barge_ins_stalled": sum(1 for b in barge_ins if b.get("answer_stalled_at_onset")),
         "turns_failed": sum(1 for t in turns if not t.get("ok")),
         "barge_ins_failed": sum(1 for b in barge_ins if not b.get("ok")),
+        "heard": heard(turns),
         "split_turns": int(sum(t.get("split_finals", 0) for t in turns)),
         # answers the relay's drafter started (committed prefix) out of those it drafted for
         "relay_committed": sum(1 for t in ok if (t.get("relay") or {}).get("committed")),

@@ -401,7 +401,7 @@ def test_compare_early_answers_the_same_plan_with_early_answers_off_then_on(tmp_
     assert "early-on" in (tmp_path / "compare-early.txt").read_text()
 
 
-@pytest.mark.parametrize("kind, profile", [("tts", "cpu-flow"), ("asr", "cpu-moonshine-stream")])
+@pytest.mark.parametrize("kind, profile", [("tts", "cpu-flow"), ("asr", "cpu-streaming")])
 def test_compare_stage_needs_serve(capsys, kind: str, profile: str) -> None:
     from duplex.cli import main as duplex_main
 
@@ -452,3 +452,21 @@ def test_compare_table_counts_wrong_facts_after_a_committed_draft() -> None:
 
     assert _from_draft({"wrong_with_committed_draft": 2, "wrong_from_draft": 0}) == "2 (0)"
     assert _from_draft({}) == "-"
+
+
+def test_heard_counts_exact_transcripts_and_lists_other_questions() -> None:
+    from duplex.bench.serve import heard
+
+    turns = [
+        {"ok": True, "text": "What colour is the sky?", "transcript": "What color is the sky?"},
+        {"ok": True, "text": "Who wrote Romeo and Juliet?", "transcript": "Here I'll grow me, Angelia,"},
+        {
+            "ok": True,
+            "text": "How many legs does a spider have?",
+            "transcript": "How many legs does the spider have?",
+        },
+        {"ok": False, "text": "Tell me a joke.", "error": "timed out"},
+    ]
+    h = heard(turns)
+    assert h["n"] == 3 and h["word_for_word"] == 1  # British spelling is not an error; "the" for "a" is
+    assert [m["text"] for m in h["misheard"]] == ["Who wrote Romeo and Juliet?"]
