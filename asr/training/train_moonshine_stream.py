@@ -369,6 +369,7 @@ def export(args: argparse.Namespace) -> None:
         "panel": (earlier.get("panel") or []) + [r for r in rows if r["kind"] == "panel"],
         "earlier": {k: v for k, v in earlier.items() if k != "panel"} or None,
         "command": "python -m asr.training.train_moonshine_stream --run RUN --pool POOL --minutes M "
+        f"--objective {ck['cfg'].get('objective', 'features')} [--init asr/weights] "
         "(asr/training/train_moonshine_stream.py); export: --export asr/weights",
     }
     (out / EXPORT_NAME.replace(".safetensors", ".json")).write_text(json.dumps(meta, indent=1))
