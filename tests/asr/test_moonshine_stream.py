@@ -98,16 +98,21 @@ def test_distill_loss_is_zero_only_for_the_teacher() -> None:
     assert float(distill_loss(t + 0.5, t)[0]) > 0.4
 
 
-def test_decoder_loss_is_zero_for_the_teacher_and_reaches_the_student_frames() -> None:
+def _random_decoder(vocab: int, seed: int):
+    """A tiny-vocabulary Moonshine decoder with seeded random weights, frozen."""
     from asr.moonshine_decoder import MoonshineDecoder
 
-    torch.manual_seed(0)
-    dec = MoonshineDecoder(vocab=50)
+    torch.manual_seed(seed)
+    dec = MoonshineDecoder(vocab=vocab)
     with torch.no_grad():
         for p in dec.parameters():
             p.normal_(0, 0.2)
-    for p in dec.parameters():
-        p.requires_grad_(False)
+            p.requires_grad_(False)
+    return dec
+
+
+def test_decoder_loss_is_zero_for_the_teacher_and_reaches_the_student_frames() -> None:
+    dec = _random_decoder(50, 0)
     teacher = torch.randn(1, 30, 416)
     same, parts = decoder_loss(dec, teacher.clone(), teacher, [5, 7, 9])
     assert float(same) == pytest.approx(0.0, abs=1e-5) and parts["agree"] == 1.0
@@ -119,13 +124,7 @@ def test_decoder_loss_is_zero_for_the_teacher_and_reaches_the_student_frames() -
 
 
 def test_decoder_is_causal_and_ignores_padded_frames() -> None:
-    from asr.moonshine_decoder import MoonshineDecoder
-
-    torch.manual_seed(1)
-    dec = MoonshineDecoder(vocab=40)
-    with torch.no_grad():
-        for p in dec.parameters():
-            p.normal_(0, 0.2)
+    dec = _random_decoder(40, 1)
     frames = torch.randn(1, 12, 416)
     a = dec(torch.tensor([[1, 5, 6, 7]]), frames)
     b = dec(torch.tensor([[1, 5, 6, 9]]), frames)
