@@ -358,10 +358,11 @@ def export(args: argparse.Namespace) -> None:
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     cfg = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else ck["cfg"]
     earlier = cfg.get("earlier") or {}
+    objective = ck["cfg"].get("objective", "features")
     meta = {
         "what": "LoRA adapters and layer norms for Moonshine base-en's encoder run chunk by chunk "
         "(asr/moonshine_stream.py), distilled from its full-context self "
-        f"(objective: {ck['cfg'].get('objective', 'features')}); fp16",
+        f"(objective: {objective}); fp16",
         "base": "moonshine-cpp's encoder_model.ort (Moonshine base-en, MIT)",
         "step": ck["step"],
         "examples": ck["position"],
@@ -369,7 +370,7 @@ def export(args: argparse.Namespace) -> None:
         "panel": (earlier.get("panel") or []) + [r for r in rows if r["kind"] == "panel"],
         "earlier": {k: v for k, v in earlier.items() if k != "panel"} or None,
         "command": "python -m asr.training.train_moonshine_stream --run RUN --pool POOL --minutes M "
-        f"--objective {ck['cfg'].get('objective', 'features')} [--init asr/weights] "
+        f"--objective {objective} [--init asr/weights] "
         "(asr/training/train_moonshine_stream.py); export: --export asr/weights",
     }
     (out / EXPORT_NAME.replace(".safetensors", ".json")).write_text(json.dumps(meta, indent=1))
