@@ -63,6 +63,9 @@ class MoonshineStreamAsrStage:
     ) -> None:
         import torch
 
+        from asr.moonshine_stream import HOP
+
+        self.hop = HOP  # samples per encoder frame
         self.encoder = encoder
         self.model = model
         self.end_of_turn = end_of_turn
@@ -98,6 +101,7 @@ class MoonshineStreamAsrStage:
         new_state = MoonshineStreamState(
             enc, frames, audio, n, tuple(ids), new_state.chunks, new_state.finished
         )
+        heard = None if chunk.final else min(n, self.hop * sum(f.shape[0] for f in frames)) / SAMPLE_RATE
         p_complete = None
         if chunk.final and self.end_of_turn is not None and n:
             p_complete = self.end_of_turn.p_complete(np.concatenate(audio))
@@ -109,6 +113,7 @@ class MoonshineStreamAsrStage:
                 time.perf_counter() - t0,
                 chunks=new_state.chunks,
                 p_complete=p_complete,
+                heard_seconds=heard,
             ),
             new_state,
         )

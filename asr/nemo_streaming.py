@@ -360,6 +360,9 @@ class NemoStreamingAsrStage:
             trailing_silence_ms=round(1000 * trailing * fs, 1),
             chunks=state.chunks,
             no_words=not words and trailing >= self.m.eou_frames,
+            heard_seconds=None
+            if w.chunk.final
+            else min(state.n_samples / SAMPLE_RATE, state.enc_frames * fs),
         )
 
 

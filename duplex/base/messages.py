@@ -61,6 +61,10 @@ class AsrResult:
     #: how the voice stopped, where the stage has an acoustic end-of-turn cue (`asr.end_of_turn`):
     #: P(the turn is complete) from the transcribed audio's prosody; None without one
     p_complete: float | None = None
+    #: how much of the audio the transcript has heard: a streaming encoder's partial transcribes only
+    #: the chunks it has encoded (the rest waits for a full chunk, or for the final's flush); None: all
+    #: of `audio_seconds`
+    heard_seconds: float | None = None
 
 
 # -- dialogue ---------------------------------------------------------------------------------------

@@ -558,6 +558,9 @@ class SessionCore:
         if not final:
             seg.asr_state = state
         text = (out.text or "").strip() if out is not None else ""
+        if out is not None and out.heard_seconds is not None and not final:
+            # a streaming partial has heard only the chunks it encoded: it covers no more than those
+            covered = min(covered, int(round(out.heard_seconds * SR)))
         if covered > seg.spec_at and (final or covered >= seg.pause_at > 0 or seg.ended):
             # any transcript that covers the audio up to the pause can serve as the final one,
             # so a partial that returns after the user stopped is not transcribed twice

@@ -183,6 +183,7 @@ class ToneStreamingAsr(ToneAsr):
             eou=bool(words) and trailing >= self.eou_s,
             trailing_silence_ms=round(1000 * trailing, 1),
             no_words=not words and trailing >= self.eou_s,
+            heard_seconds=len(seen) / SR,
         ), new
 
 

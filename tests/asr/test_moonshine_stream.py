@@ -230,6 +230,13 @@ def test_stage_pieces_equal_whole_and_states_are_never_changed() -> None:
         out, state = stage.step(state, AsrChunk(x[start : start + 2000], transcribe=True, final=last))
         assert before.n_samples == n and not before.finished  # the input state is as it was
         n += x[start : start + 2000].size
+        # a partial has heard the whole chunks it encoded (5 frames of 384 samples, once the stem's
+        # kernels have their samples); the final all of the audio (None)
+        if last:
+            assert out.heard_seconds is None
+        else:
+            heard = round(out.heard_seconds * 16000)
+            assert heard % (5 * 384) == 0 and n - 2 * 5 * 384 < heard <= n
         if start == 6000:  # a speculative final from a partial's state, then the partials go on from it
             spec, _ = stage.step(state, AsrChunk(np.zeros(0, np.float32), transcribe=True, final=True))
             assert spec.is_final and not state.finished
