@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,10 +197,39 @@ class MoonshineModel:
         with self._slots:
             return self._decode(np.ascontiguousarray(hidden, dtype=np.float32), n_samples, draft)
 
+    def decode_frames_constrained(
+        self, hidden: np.ndarray, n_samples: int, allowed: Callable[[list[int]], Sequence[int]]
+    ) -> list[int] | None:
+        """Greedy decoding of encoder frames [1, T, 416] in which each next token is the decoder's choice
+        among `allowed(ids so far)` (EOS among them ends it); None where nothing is allowed. Training uses it
+        to spell a known transcript the way the decoder would (asr/training/forced.py)."""
+        if n_samples < MIN_SAMPLES or hidden.shape[1] == 0:
+            return None
+        with self._slots:
+            return self._run_decoder(np.ascontiguousarray(hidden, dtype=np.float32), n_samples, (), allowed)
+
     def _decode(
         self, hidden: np.ndarray, n_samples: int, draft: tuple[int, ...] | list[int] = ()
     ) -> list[int]:
+        return self._run_decoder(hidden, n_samples, draft, None) or []
+
+    def _run_decoder(
+        self,
+        hidden: np.ndarray,
+        n_samples: int,
+        draft: tuple[int, ...] | list[int],
+        allowed: Callable[[list[int]], Sequence[int]] | None,
+    ) -> list[int] | None:
         max_tokens = int(n_samples / SAMPLE_RATE * MAX_TOKENS_PER_SECOND) + 1
+        if allowed is not None:
+            max_tokens = 4 * max_tokens  # the transcript is known: the length cap is only a backstop
+
+        def pick(row: np.ndarray, ids: list[int]) -> int | None:
+            if allowed is None:
+                return int(row.argmax())
+            ok = np.fromiter(allowed(ids), np.int64)
+            return int(ok[row[ok].argmax()]) if ok.size else None
+
         past = {
             name: np.zeros((1, heads, 0, size), np.float32)
             for name, (heads, size) in self._past_shape.items()
@@ -219,7 +249,9 @@ class MoonshineModel:
         while kept < len(prompt) - 1 and int(choices[kept]) == prompt[kept + 1]:
             kept += 1
         ids = prompt[1 : kept + 1]
-        token = int(choices[kept])
+        token = int(choices[kept]) if allowed is None else pick(logits[0, kept], ids)
+        if token is None:
+            return None
         for name, value in zip(self._past_names, present, strict=True):
             # the cross-attention keys/values are computed once, on the first call, and then reused; the
             # self-attention's keep BOS and the kept draft tokens only
@@ -235,7 +267,9 @@ class MoonshineModel:
                 **past,
             }
             logits, *present = self._decoder.run(None, feed)
-            token = int(logits[0, -1].argmax())
+            token = pick(logits[0, -1], ids)
+            if token is None:
+                return None
             for name, value in zip(self._past_names, present, strict=True):
                 if ".decoder." in name:
                     past[name] = value

@@ -117,18 +117,20 @@ def make_pool(out: Path, n: int, seed: int, shard: int = 250) -> None:
         os.replace(tmp, dst)
 
 
-def load_pool(pool: Path) -> list[np.ndarray]:
-    out = []
+def load_pool(pool: Path) -> tuple[list[np.ndarray], list[str]]:
+    """The pool's utterances and their texts (lower case, no punctuation)."""
+    out, texts = [], []
     for f in sorted(pool.glob("shard-*.npz")):
         if f.name.endswith(".tmp.npz"):
             continue
         with np.load(f) as z:
             pcm, lengths = z["pcm"], z["lengths"]
+            texts.extend(str(t) for t in z["texts"])
         pos = 0
         for n in lengths:
             out.append(pcm[pos : pos + n].astype(np.float32) / 32767)
             pos += n
-    return out
+    return out, texts
 
 
 def augment(audio: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -192,21 +194,31 @@ def distill_loss(student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Te
 
 
 def decoder_loss(
-    decoder, student: torch.Tensor, teacher: torch.Tensor, tokens: list[int], temperature: float = 1.0
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """What Moonshine's (frozen) decoder reads from the student's frames against what it reads from the teacher's:
-    KL(teacher || student) of the next-token distributions, teacher-forced on the teacher's own greedy
-    transcript (`tokens`, without BOS/EOS), averaged over its positions (the last predicts EOS); and how often
-    the student's argmax is the teacher's token."""
-    from asr.moonshine import BOS
+    decoder,
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    tokens: list[int],
+    temperature: float = 1.0,
+    scored: list[bool] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """What Moonshine's (frozen) decoder reads from the student's frames against what it reads from the teacher's,
+    teacher-forced on a transcript (`tokens`, without BOS/EOS: the teacher's own greedy one, or the known text
+    as the decoder spells it, asr/training/forced.py), averaged over its positions (the last predicts EOS):
+    KL(teacher || student) of the next-token distributions, and the cross-entropy of the transcript's tokens
+    from the student's frames (over the tokens `scored` marks, and EOS; all by default); with how often the
+    student's argmax is the teacher's."""
+    from asr.moonshine import BOS, EOS
 
     ids = torch.tensor([[BOS, *tokens]])
     with torch.no_grad():
         target = F.log_softmax(decoder(ids, teacher)[0] / temperature, -1)
-    logp = F.log_softmax(decoder(ids, student)[0] / temperature, -1)
+    logits = decoder(ids, student)[0]
+    logp = F.log_softmax(logits / temperature, -1)
     kl = (target.exp() * (target - logp)).sum(-1).mean() * temperature**2
+    keep = torch.tensor([*(scored if scored is not None else [True] * len(tokens)), True])
+    ce = F.cross_entropy(logits[keep], torch.tensor([*tokens, EOS])[keep])
     agree = (logp.argmax(-1) == target.argmax(-1)).float().mean()
-    return kl, {"kl": float(kl.detach()), "agree": float(agree)}
+    return kl, ce, {"kl": float(kl.detach()), "ce": float(ce.detach()), "agree": float(agree)}
 
 
 def train(args: argparse.Namespace) -> None:
@@ -223,6 +235,7 @@ def train(args: argparse.Namespace) -> None:
             "chunk_frames": args.chunk, "left_frames": args.left, "rank": args.rank, "alpha": args.alpha,
             "lr": args.lr, "accum": args.accum, "seed": args.seed, "pool": str(Path(args.pool).expanduser()),
             "objective": args.objective, "feat_weight": args.feat_weight, "temperature": args.temperature,
+            "text_weight": args.text_weight,
         }  # fmt: skip
         cfg_path.write_text(json.dumps(cfg, indent=1))
     teacher = load_packaged(chunk_frames=None, causal_norm=False)
@@ -266,6 +279,12 @@ def train(args: argparse.Namespace) -> None:
         from asr.moonshine_decoder import load_packaged_decoder
 
         decoder = load_packaged_decoder()
+    text_weight = float(cfg.get("text_weight", 0.0))
+    spelling = None
+    if text_weight > 0:
+        from asr.training.forced import Spelling, forced_ids
+
+        spelling = Spelling(moonshine.tokens)
     metrics = open(run / "metrics.jsonl", "a")
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
@@ -290,12 +309,12 @@ def train(args: argparse.Namespace) -> None:
     last_ckpt, t_log = time.time(), time.time()
     acc: dict[str, list[float]] = {"loss": [], "l1": [], "cos": []}
     if decoder is not None:
-        acc.update(kl=[], agree=[])
-    shards, pool, order = -1, [], np.zeros(0, np.int64)
+        acc.update(kl=[], agree=[], ce=[], spelled=[])
+    shards, pool, texts, order = -1, [], [], np.zeros(0, np.int64)
     while time.time() < t_end and not stop["now"] and (args.steps <= 0 or step < args.steps):
         n_shards = len(list(Path(cfg["pool"]).glob("shard-*[0-9].npz")))
         if n_shards != shards:  # a pool still being written grows between steps
-            shards, pool = n_shards, load_pool(Path(cfg["pool"]))
+            shards, (pool, texts) = n_shards, load_pool(Path(cfg["pool"]))
             if not pool:
                 raise SystemExit(f"no pool audio in {cfg['pool']}: make it with --make-pool")
             order = np.random.default_rng([cfg["seed"], len(pool)]).permutation(len(pool))
@@ -304,7 +323,8 @@ def train(args: argparse.Namespace) -> None:
             g["lr"] = lr
         opt.zero_grad()
         for _ in range(cfg["accum"]):
-            audio = augment(pool[order[position % len(pool)]], rng)
+            index = order[position % len(pool)]
+            audio = augment(pool[index], rng)
             position += 1
             x = torch.from_numpy(audio)[None]
             with torch.no_grad():
@@ -312,10 +332,19 @@ def train(args: argparse.Namespace) -> None:
             frames = student(x)
             loss, parts = distill_loss(frames, target)
             if decoder is not None:
-                tokens = moonshine.decode_frames(target.numpy(), audio.size)
-                kl, more = decoder_loss(decoder, frames, target, tokens, cfg.get("temperature", 1.0))
-                loss = kl + cfg.get("feat_weight", 0.0) * loss
-                parts.update(more)
+                tokens = None
+                if spelling is not None:  # the known text, as the decoder spells it from the teacher's frames
+                    tokens = forced_ids(moonshine, spelling, target.numpy(), audio.size, texts[index])
+                spelled = tokens is not None
+                if tokens is None:
+                    tokens = moonshine.decode_frames(target.numpy(), audio.size)
+                # the text's words are scored, not the marks the decoder put between them
+                scored = [spelling.is_word(t) for t in tokens] if spelled and spelling else None
+                kl, ce, more = decoder_loss(
+                    decoder, frames, target, tokens, cfg.get("temperature", 1.0), scored
+                )
+                loss = kl + cfg.get("feat_weight", 0.0) * loss + (text_weight * ce if spelled else 0.0)
+                parts.update(more, spelled=float(spelled))
             (loss / cfg["accum"]).backward()
             acc["loss"].append(float(loss.detach()))
             for k in acc:
@@ -359,10 +388,12 @@ def export(args: argparse.Namespace) -> None:
     cfg = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else ck["cfg"]
     earlier = cfg.get("earlier") or {}
     objective = ck["cfg"].get("objective", "features")
+    text_weight = float(ck["cfg"].get("text_weight", 0.0))
+    text = f" --text-weight {text_weight:g}" if text_weight else ""
     meta = {
         "what": "LoRA adapters and layer norms for Moonshine base-en's encoder run chunk by chunk "
         "(asr/moonshine_stream.py), distilled from its full-context self "
-        f"(objective: {objective}); fp16",
+        f"(objective: {objective}{'; + the known text' if text_weight else ''}); fp16",
         "base": "moonshine-cpp's encoder_model.ort (Moonshine base-en, MIT)",
         "step": ck["step"],
         "examples": ck["position"],
@@ -370,7 +401,7 @@ def export(args: argparse.Namespace) -> None:
         "panel": (earlier.get("panel") or []) + [r for r in rows if r["kind"] == "panel"],
         "earlier": {k: v for k, v in earlier.items() if k != "panel"} or None,
         "command": "python -m asr.training.train_moonshine_stream --run RUN --pool POOL --minutes M "
-        f"--objective {objective} [--init asr/weights] "
+        f"--objective {objective}{text} [--init asr/weights] "
         "(asr/training/train_moonshine_stream.py); export: --export asr/weights",
     }
     (out / EXPORT_NAME.replace(".safetensors", ".json")).write_text(json.dumps(meta, indent=1))
@@ -410,6 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--feat-weight", type=float, default=0.1)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument(
+        "--text-weight",
+        type=float,
+        default=0.0,
+        help="with --objective decoder: also the cross-entropy of the pool's known text (as the decoder spells it) "
+        "from the student's frames, x this weight; the KL is then teacher-forced on that text",
+    )
     ap.add_argument("--panel", nargs="+", default=["natural-conversational", "heldout-synthetic"])
     args = ap.parse_args(argv)
     if args.make_pool:

@@ -114,12 +114,13 @@ def _random_decoder(vocab: int, seed: int):
 def test_decoder_loss_is_zero_for_the_teacher_and_reaches_the_student_frames() -> None:
     dec = _random_decoder(50, 0)
     teacher = torch.randn(1, 30, 416)
-    same, parts = decoder_loss(dec, teacher.clone(), teacher, [5, 7, 9])
+    same, ce_same, parts = decoder_loss(dec, teacher.clone(), teacher, [5, 7, 9])
     assert float(same) == pytest.approx(0.0, abs=1e-5) and parts["agree"] == 1.0
     student = (teacher + torch.randn(1, 30, 416)).requires_grad_(True)
-    loss, _ = decoder_loss(dec, student, teacher, [5, 7, 9])
-    loss.backward()
+    loss, ce, _ = decoder_loss(dec, student, teacher, [5, 7, 9])
+    (loss + ce).backward()
     assert float(loss) > 1e-3 and float(student.grad.abs().sum()) > 0
+    assert float(ce) > 0 and float(ce_same) > 0  # the text's cross-entropy (a random decoder is unsure)
     assert not any(p.grad is not None for p in dec.parameters())  # the decoder stays frozen
 
 
