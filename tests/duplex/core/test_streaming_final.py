@@ -19,6 +19,7 @@ from duplex.base.messages import AsrChunk
 from duplex.core.session import SR, SessionCore
 from duplex.testing.fakes import ToneStreamingAsr, fake_turn_stages, scripted_answer, tone_speech
 from duplex.testing.replay import FakeClock, replay
+from tests.duplex.core.test_decoder_eou import COSTS
 
 QUESTION = "what is the capital of france"
 
@@ -29,16 +30,7 @@ def run(lead_s: float, partial_cost: float):
     stages = fake_turn_stages(scripted_answer, asr=ToneStreamingAsr(chunk_ms=480))
     options = dataclasses.replace(profile.session, partial_interval_ms=160)
     core = SessionCore("s1", profile, stages, clock, options=options)
-    costs = {
-        "vad": 0.002,
-        "asr.partial": partial_cost,
-        "asr.final": 0.03,
-        "llm.first": 0.2,
-        "llm.step": 0.1,
-        "llm.listen": 0.03,
-        "llm.overlap": 0.03,
-        "tts": 0.02,
-    }
+    costs = {**COSTS, "asr.partial": partial_cost}
     silence = np.zeros(int(SR * lead_s), np.float32)
     audio = np.concatenate([silence, tone_speech(QUESTION), np.zeros(3 * SR, np.float32)])
     return replay(core, clock, audio, costs, tail_seconds=3.0)
