@@ -269,7 +269,7 @@ def train(args: argparse.Namespace) -> None:
             raise SystemExit(f"--init {src}: unexpected tensors {missing.unexpected_keys[:3]}")
         step, position = int(meta["step"]), int(meta["examples"])
         cfg["opt_start"] = step  # the fresh optimiser warms up again
-        cfg["earlier"] = {k: meta.get(k) for k in ("step", "examples", "cfg", "panel", "what")}
+        cfg["earlier"] = {k: meta.get(k) for k in ("step", "examples", "cfg", "panel", "what", "earlier")}
         cfg_path.write_text(json.dumps(cfg, indent=1))
         print(f"initialised from {src} at step {step}", flush=True)
     moonshine = MoonshineModel(threads=args.threads)
