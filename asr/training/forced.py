@@ -15,9 +15,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from asr.moonshine import EOS, N_SPECIAL
+from asr.moonshine import _SPACE_MARK, EOS, N_SPECIAL
 
-_SPACE_MARK = "\u2581"
 _KEEP = re.compile(r"[^a-z0-9' ]+")
 #: the punctuation a token may have besides letters, digits, apostrophes and spaces (not compared)
 SENTENCE_MARKS = set(".,?!;:")
@@ -43,23 +42,21 @@ class Spelling:
             if i < N_SPECIAL:
                 continue
             try:
-                s = raw.decode("utf-8").replace(_SPACE_MARK, " ").lower()
+                written = raw.decode("utf-8").replace(_SPACE_MARK, " ")
             except UnicodeDecodeError:
                 continue
+            s = written.lower()
             if any(not (c.isascii() and (c.isalnum() or c in "' ")) and c not in SENTENCE_MARKS for c in s):
                 continue  # quotes, brackets, dashes: a decoder forced off its own word reaches for them
-            letters = [c for c in raw.decode("utf-8").replace(_SPACE_MARK, " ") if c.isalpha()]
+            letters = [c for c in written if c.isalpha()]
             if any(c.isupper() for c in letters[1:]) or (letters and letters[0].isupper() and s[:1] != " "):
                 continue  # capitals only to start a word: not "ER" in "FarmER" (nor acronyms)
             n = "".join(c for c in s if c not in SENTENCE_MARKS)
             self.norm[i] = n
-            if not n.strip(" "):
-                if s and all(c in SENTENCE_MARKS for c in s):
-                    punctuation.append(i)  # "," or "?": written freely, compared as nothing
-                else:
-                    by_norm[n].append(i)  # a bare space
+            if s and all(c in SENTENCE_MARKS for c in s):
+                punctuation.append(i)  # "," or "?": written freely, compared as nothing
             else:
-                by_norm[n].append(i)
+                by_norm[n].append(i)  # a piece of a word, or a bare space
         self.by_norm = dict(by_norm)
         self.punctuation = punctuation
         self.longest = max(len(k) for k in self.by_norm)

@@ -375,6 +375,17 @@ def train(args: argparse.Namespace) -> None:
     print(f"stopped at step {step}", flush=True)
 
 
+def _provenance(earlier: dict | None) -> dict | None:
+    """An earlier export's provenance, each step once: its panel rows are in the export's own `panel` and its
+    run's `earlier` is the next link of the chain, so neither is repeated inside."""
+    if not earlier:
+        return None
+    out = {k: v for k, v in earlier.items() if k not in ("panel", "earlier", "cfg")}
+    out["cfg"] = {k: v for k, v in (earlier.get("cfg") or {}).items() if k != "earlier"}
+    out["earlier"] = _provenance(earlier.get("earlier"))
+    return out
+
+
 def export(args: argparse.Namespace) -> None:
     from safetensors.torch import save_file
 
@@ -397,9 +408,9 @@ def export(args: argparse.Namespace) -> None:
         "base": "moonshine-cpp's encoder_model.ort (Moonshine base-en, MIT)",
         "step": ck["step"],
         "examples": ck["position"],
-        "cfg": ck["cfg"],
+        "cfg": {k: v for k, v in ck["cfg"].items() if k != "earlier"},
         "panel": (earlier.get("panel") or []) + [r for r in rows if r["kind"] == "panel"],
-        "earlier": {k: v for k, v in earlier.items() if k != "panel"} or None,
+        "earlier": _provenance(earlier),
         "command": "python -m asr.training.train_moonshine_stream --run RUN --pool POOL --minutes M "
         f"--objective {objective}{text} [--init asr/weights] "
         "(asr/training/train_moonshine_stream.py); export: --export asr/weights",

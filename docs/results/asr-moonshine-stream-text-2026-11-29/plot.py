@@ -2,7 +2,7 @@
 (through Moonshine's decoder, 806-1396) and `mstream3` (the decoder + the pool's known text, from 1396 on):
 the decoder's KL and panel WER by step.
 
-(It replaces the decoder run's own script, which drew that folder's curve.png from the first two.)
+(It replaces the first two runs' own scripts, which drew their folders' curve.png.)
 
 python docs/results/asr-moonshine-stream-text-2026-11-29/plot.py   # reads the metrics files beside it
 """
