@@ -221,6 +221,40 @@ def decoder_loss(
     return kl, ce, {"kl": float(kl.detach()), "ce": float(ce.detach()), "agree": float(agree)}
 
 
+def lr_at(cfg: dict, step: int, warmup: int) -> float:
+    """The learning rate of `step`: warm-up from the optimiser's start, then constant, or, once a decay phase was
+    asked for (`cfg["decay"]`: its start step, length and end ratio), a cosine down to `lr x end` held after."""
+    lr = cfg["lr"] * min(1.0, (step - cfg.get("opt_start", 0) + 1) / warmup)
+    decay = cfg.get("decay")
+    if decay:
+        t = min(1.0, max(0.0, (step - decay["start"]) / decay["steps"]))
+        lr *= decay["end"] + (1.0 - decay["end"]) * 0.5 * (1.0 + math.cos(math.pi * t))
+    return lr
+
+
+class WeightAverage:
+    """The uniform mean of the adapters over the decay phase (exported in place of the last weights when
+    `--export --average`): averaging the last checkpoints smooths the last steps' noise."""
+
+    def __init__(self, state: dict | None = None) -> None:
+        self.sum: dict[str, torch.Tensor] = dict(state["sum"]) if state else {}
+        self.n = int(state["n"]) if state else 0
+
+    def add(self, weights: dict[str, torch.Tensor]) -> None:
+        for k, v in weights.items():
+            v = v.detach().double()
+            self.sum[k] = self.sum[k] + v if k in self.sum else v.clone()
+        self.n += 1
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        if not self.n:
+            raise ValueError("no weights averaged yet")
+        return {k: (v / self.n).float() for k, v in self.sum.items()}
+
+    def state(self) -> dict:
+        return {"sum": self.sum, "n": self.n}
+
+
 def train(args: argparse.Namespace) -> None:
     from asr.moonshine import MoonshineModel
 
@@ -243,6 +277,7 @@ def train(args: argparse.Namespace) -> None:
     params = add_adapters(student, cfg["rank"], cfg["alpha"])
     opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=0.0)
     step, position = 0, 0
+    average = WeightAverage()
     rng = np.random.default_rng(cfg["seed"])
     ckpt_path = run / "last.pt"
     if ckpt_path.exists():
@@ -252,6 +287,7 @@ def train(args: argparse.Namespace) -> None:
         step, position = ck["step"], ck["position"]
         rng.bit_generator.state = ck["rng"]
         torch.set_rng_state(ck["torch_rng"])
+        average = WeightAverage(ck.get("average"))
         print(f"resumed at step {step}, data position {position}", flush=True)
     elif args.init:  # a fresh clone: go on from the shipped adapters (with a fresh optimiser)
         from safetensors.torch import load_file
@@ -272,6 +308,11 @@ def train(args: argparse.Namespace) -> None:
         cfg["earlier"] = {k: meta.get(k) for k in ("step", "examples", "cfg", "panel", "what", "earlier")}
         cfg_path.write_text(json.dumps(cfg, indent=1))
         print(f"initialised from {src} at step {step}", flush=True)
+    if args.decay and not cfg.get("decay"):
+        # from here the lr falls along a cosine to --lr-end x lr over --decay steps; the weights are averaged
+        cfg["decay"] = {"start": step, "steps": int(args.decay), "end": float(args.lr_end)}
+        cfg_path.write_text(json.dumps(cfg, indent=1))
+        print(f"decay phase: {args.decay} steps from step {step} down to {args.lr_end:g} x lr", flush=True)
     moonshine = MoonshineModel(threads=args.threads)
     objective = cfg.get("objective", "features")  # runs from before the decoder objective distilled features
     decoder = None
@@ -295,6 +336,7 @@ def train(args: argparse.Namespace) -> None:
             {
                 "model": adapter_state(student), "opt": opt.state_dict(), "step": step, "position": position,
                 "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "cfg": cfg,
+                "average": average.state(),
             },
             tmp,
         )  # fmt: skip
@@ -318,7 +360,7 @@ def train(args: argparse.Namespace) -> None:
             if not pool:
                 raise SystemExit(f"no pool audio in {cfg['pool']}: make it with --make-pool")
             order = np.random.default_rng([cfg["seed"], len(pool)]).permutation(len(pool))
-        lr = cfg["lr"] * min(1.0, (step - cfg.get("opt_start", 0) + 1) / args.warmup)
+        lr = lr_at(cfg, step, args.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad()
@@ -353,6 +395,8 @@ def train(args: argparse.Namespace) -> None:
         nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
+        if cfg.get("decay") and step > cfg["decay"]["start"]:
+            average.add(adapter_state(student))
         if step % args.log_every == 0:
             row = {"kind": "train", "step": step, "lr": lr, "s_per_step": (time.time() - t_log) / args.log_every,
                    "pool": len(pool), **{k: float(np.mean(v)) for k, v in acc.items()}}  # fmt: skip
@@ -393,7 +437,14 @@ def export(args: argparse.Namespace) -> None:
     ck = torch.load(run / "last.pt", weights_only=False)
     out = Path(args.export)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.half().contiguous() for k, v in ck["model"].items()}
+    weights = ck["model"]
+    averaged = 0
+    if args.average:
+        average = WeightAverage(ck.get("average"))
+        if not average.n:
+            raise SystemExit(f"--average: run {run} has no decay phase to average (train with --decay N)")
+        weights, averaged = average.mean(), average.n
+    tensors = {k: v.half().contiguous() for k, v in weights.items()}
     save_file(tensors, str(out / EXPORT_NAME))
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     cfg = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else ck["cfg"]
@@ -401,6 +452,9 @@ def export(args: argparse.Namespace) -> None:
     objective = ck["cfg"].get("objective", "features")
     text_weight = float(ck["cfg"].get("text_weight", 0.0))
     text = f" --text-weight {text_weight:g}" if text_weight else ""
+    decay = ck["cfg"].get("decay")
+    if decay:
+        text += f" (then --decay {decay['steps']} --lr-end {decay['end']:g} from step {decay['start']})"
     meta = {
         "what": "LoRA adapters and layer norms for Moonshine base-en's encoder run chunk by chunk "
         "(asr/moonshine_stream.py), distilled from its full-context self "
@@ -408,12 +462,14 @@ def export(args: argparse.Namespace) -> None:
         "base": "moonshine-cpp's encoder_model.ort (Moonshine base-en, MIT)",
         "step": ck["step"],
         "examples": ck["position"],
+        "averaged_steps": averaged,
         "cfg": {k: v for k, v in ck["cfg"].items() if k != "earlier"},
         "panel": (earlier.get("panel") or []) + [r for r in rows if r["kind"] == "panel"],
         "earlier": _provenance(earlier),
         "command": "python -m asr.training.train_moonshine_stream --run RUN --pool POOL --minutes M "
         f"--objective {objective}{text} [--init asr/weights] "
-        "(asr/training/train_moonshine_stream.py); export: --export asr/weights",
+        "(asr/training/train_moonshine_stream.py); export: --export asr/weights"
+        + (" --average" if averaged else ""),
     }
     (out / EXPORT_NAME.replace(".safetensors", ".json")).write_text(json.dumps(meta, indent=1))
     print(f"wrote {out / EXPORT_NAME} ({sum(v.numel() for v in tensors.values()) / 1e6:.2f} M values)")
@@ -438,6 +494,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alpha", type=float, default=32.0)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument(
+        "--decay",
+        type=int,
+        default=0,
+        help="start a decay phase at the run's current step: the lr falls along a cosine to --lr-end x lr over "
+        "this many steps, and the adapters are averaged over it (export them with --average)",
+    )
+    ap.add_argument("--lr-end", type=float, default=0.1)
+    ap.add_argument("--average", action="store_true", help="with --export: the decay phase's mean adapters")
     ap.add_argument("--accum", type=int, default=8)
     ap.add_argument("--seed", type=int, default=78)
     ap.add_argument("--every", type=int, default=200)

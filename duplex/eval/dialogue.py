@@ -940,9 +940,9 @@ def run(args: argparse.Namespace) -> int:
             "eval dialogue: --rejudge and --rescore work on the runs stored in a --resummarise file"
         )
 
-    from asr.moonshine import load_asr_stage
     from dialogue.engine import load_dialogue_stage
     from duplex.base.config import load_profile
+    from duplex.runtime.service import load_asr
     from tts.hibari_tts import load_tts_stage
 
     torch.manual_seed(args.seed)
@@ -975,7 +975,7 @@ def run(args: argparse.Namespace) -> int:
     results["turn_text"] = eval_turns_text(stage, turn_examples, speak_thr, bc_thr, progress, take_thr)
     results["turn_text"]["seconds"] = round(time.perf_counter() - t, 1)
     if args.speech:
-        asr = load_asr_stage(profile.component("asr"))
+        asr = load_asr(profile.component("asr"))
         t = time.perf_counter()
         results["turn_speech"] = eval_turns_speech(
             stage,

@@ -1047,9 +1047,9 @@ def _collect(
 ) -> tuple[list[dict[str, Any]], TurnPolicy]:
     import torch
 
-    from asr.moonshine import load_asr_stage
     from dialogue.engine import load_dialogue_stage
     from duplex.base.config import load_profile
+    from duplex.runtime.service import load_asr
 
     torch.manual_seed(args.seed)
     profile = load_profile(args.profile)
@@ -1063,7 +1063,7 @@ def _collect(
         old = [r for r in json.loads(Path(args.rescore).read_text())["rows"] if r["voice"] != "text"]
         rows += rescored_speech_rows(stage, examples, old, args.seed, progress, excluded)
     elif args.speech:
-        asr = load_asr_stage(profile.component("asr"))
+        asr = load_asr(profile.component("asr"))
         rows += speech_rows(stage, asr, examples, args.speech, args.seed, progress, args.cut_audio, excluded)
     return rows, _policy_of(stage)
 
