@@ -129,11 +129,12 @@ eval-asr-panel: asr-voices
 	$(VENV)/bin/duplex eval asr --panel --out eval-out
 
 # one slice of the streaming recogniser's recipe (streamed Moonshine's adapters, trained through its decoder;
-# docs/asr.md): the pool is made once, then the same line resumes the run from the shipped adapters
+# docs/asr.md): the pool is made once, then the same line resumes the run from the shipped adapters;
+# DECAY=500 starts a final cosine decay with weight averaging (export: --export asr/weights --average)
 train-asr: setup text-corpora asr-voices
 	$(PY) -m asr.training.train_moonshine_stream --make-pool runs/mstream-pool --n 4000
 	$(PY) -m asr.training.train_moonshine_stream --run runs/mstream --pool runs/mstream-pool --init asr/weights \
-	  --objective decoder --text-weight 0.5 --lr 1e-4 --minutes $${MINUTES:-60} --threads 2
+	  --objective decoder --text-weight 0.5 --lr 1e-4 --minutes $${MINUTES:-60} --threads 2 $${DECAY:+--decay $$DECAY}
 
 # one slice of the FastConformer's recipe 2 (cpu-fastconformer, docs/asr.md); the same line resumes the run
 train-fastconformer: setup text-corpora asr-voices

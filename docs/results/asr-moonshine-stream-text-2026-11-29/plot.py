@@ -52,7 +52,11 @@ def main() -> None:
     ax[1].axhline(12, ls="-.", c="red", alpha=0.5, label="target, held-out synthetic: 12 %")
     ax[1].set_title("panel WER (%), streamed at 480 ms (n = 60 per set)")
     for a in ax:
-        for x in (806, 1396):  # the objective changes (each run goes on from the one before's export)
+        for x in (
+            806,
+            1396,
+            1995,
+        ):  # the objective changes (each run goes on from the one before's export); 1995: decay
             a.axvline(x, c="k", lw=0.6, alpha=0.4)
     ax[1].set_xlabel("step")
     ax[1].legend(fontsize=6)
