@@ -4,8 +4,9 @@
 staggered (`stagger_s` apart), each one long session of the serve bench (`serve.run_session`: question
 turns and barge-in trials spoken like a microphone). Per N: answer onset and barge-in stop
 percentiles over every caller's samples, gaps inside answers' audio (`common.playback_gaps`), the server's
-budget overruns, jobs and batch sizes per stage (`/stats` before and after), its CPU and memory,
-and the sessions it refused (an HTTP 503 at capacity is a result, not a crash).
+budget overruns, jobs and batch sizes per stage (`/stats` before and after), its CPU and memory (RSS
+sampled while the level runs: `memory_per_session_mb`, the slope of RSS with every caller connected
+against N), and the sessions it refused (an HTTP 503 at capacity is a result, not a crash).
 
 `duplex bench --soak 10m --sessions N`: N callers run such sessions back to back for the duration
 while the server's RSS, threads, asyncio tasks (in-process server only) and overruns are sampled
@@ -136,6 +137,29 @@ def server_usage(before: dict[str, Any], after: dict[str, Any], wall_s: float) -
         "peak_rss_mb": ap.get("peak_rss_mb"),
         "threads": ap.get("threads"),
     }
+
+
+def open_rss(samples: Sequence[tuple[int, float]], n: int) -> float | None:
+    """The server's median RSS (MB, with the model process's) over the `(sessions, rss_mb)` samples taken while
+    all `n` of a level's callers were connected (the median: the allocator's transient peaks and trims move a
+    single sample by ~100 MB); None when no sample caught them all."""
+    full = [rss for sessions, rss in samples if sessions >= n]
+    return float(np.median(full)) if full else None
+
+
+def memory_per_session(levels: Sequence[dict[str, Any]]) -> float | None:
+    """MB the server's RSS grows per extra caller: the least-squares slope of each level's RSS with all its
+    callers connected (`server.rss_mb_open`) against N, over the levels that have it; None with fewer than
+    two distinct N. An upper bound on what a session keeps: it also counts what the device's work for more
+    sessions at once allocates (larger batches, more queued audio)."""
+    pts = [(lv["sessions"], lv["server"].get("rss_mb_open")) for lv in levels]
+    pts = [(float(n), float(r)) for n, r in pts if r is not None]
+    if len({n for n, _ in pts}) < 2:
+        return None
+    mn = sum(n for n, _ in pts) / len(pts)
+    mr = sum(r for _, r in pts) / len(pts)
+    slope = sum((n - mn) * (r - mr) for n, r in pts) / sum((n - mn) ** 2 for n, _ in pts)
+    return round(slope, 1)
 
 
 def llm_tokens_per_s(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> float | None:
@@ -279,8 +303,10 @@ def level_record(
     before: dict[str, Any],
     after: dict[str, Any],
     wall_s: float,
+    rss_samples: Sequence[tuple[int, float]] = (),
 ) -> dict[str, Any]:
-    """One load level's numbers (see the module docstring and docs/operations.md)."""
+    """One load level's numbers (see the module docstring and docs/operations.md); `rss_samples` are the
+    `(sessions, rss_mb)` the server reported while the level ran."""
     runs = [r.run for r in results if r.run is not None]
     turns = [t for run in runs for t in run.conv.turns]
     barge = [b for run in runs for b in run.conv.barge_ins]
@@ -308,7 +334,7 @@ def level_record(
         "leaked_frames": sum(count_leaks(run.rx.log) for run in runs),
         "gaps": {k: v for k, v in gaps.items() if k != "gaps_ms"},
         **stage_deltas(before, after),
-        "server": server_usage(before, after, wall_s),
+        "server": {**server_usage(before, after, wall_s), "rss_mb_open": open_rss(rss_samples, n)},
         "llm_tokens_per_s": llm_tokens_per_s(before, after, wall_s),
         "client": {"mic_max_lag_ms": max((round(run.mic.max_lag_s * 1000, 1) for run in runs), default=None)},
         "wall_s": round(wall_s, 2),
@@ -345,9 +371,11 @@ async def run_load(
     interruptions: Sequence[str] = INTERRUPTIONS,
     progress: Progress | None = print,
     plot: bool = True,
+    rss_every_s: float = 1.0,
 ) -> dict[str, Any]:
     """For each N of `counts`, N staggered callers of one long session each; returns the result
-    also written to `out_dir/load.json` and `load.png` (unless `out_dir` is None)."""
+    also written to `out_dir/load.json` and `load.png` (unless `out_dir` is None). The server's RSS is
+    sampled every `rss_every_s` while a level runs (`memory_per_session_mb`)."""
     from duplex.bench.load_report import write_load_outputs
 
     say = progress or (lambda _msg: None)
@@ -373,24 +401,31 @@ async def run_load(
         say(f"== {n} caller(s) at once, {stagger_s:g} s apart ==")
         before = await asyncio.to_thread(fetch_stats, url)
         t0 = loop.time()
-        results = await asyncio.gather(
-            *(
-                _call(
-                    k,
-                    url,
-                    callers,
-                    k * stagger_s,
-                    say,
-                    turn_timeout_s=turn_timeout_s,
-                    session_options=session_options,
+        rss_samples: list[tuple[int, float]] = []
+        sampler = asyncio.create_task(_sample_rss(url, rss_samples, rss_every_s))
+        try:
+            results = await asyncio.gather(
+                *(
+                    _call(
+                        k,
+                        url,
+                        callers,
+                        k * stagger_s,
+                        say,
+                        turn_timeout_s=turn_timeout_s,
+                        session_options=session_options,
+                    )
+                    for k in range(n)
                 )
-                for k in range(n)
             )
-        )
+        finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
         wall_s = loop.time() - t0
         await asyncio.sleep(0.2)  # the server accounts the sessions' last jobs
         after = await asyncio.to_thread(fetch_stats, url)
-        levels.append(level_record(n, results, before, after, wall_s))
+        levels.append(level_record(n, results, before, after, wall_s, rss_samples))
         for r in results:
             if r.run is not None and lead_ms is None:
                 lead_ms = (r.run.session.get("options") or {}).get("playout_lead_ms")
@@ -426,10 +461,22 @@ async def run_load(
         "llm_tokens_note": None
         if any(lv["llm_tokens_per_s"] is not None for lv in levels)
         else LLM_TOKENS_NOTE,
+        "memory_per_session_mb": memory_per_session(levels),
     }
     if out_dir is not None:
         await asyncio.to_thread(write_load_outputs, result, out_dir, plot)
     return result
+
+
+async def _sample_rss(url: str, out: list[tuple[int, float]], every_s: float) -> None:
+    """Append the server's (sessions, RSS MB) every `every_s` until cancelled; a failed poll is skipped."""
+    while True:
+        with contextlib.suppress(BenchError):
+            stats = await asyncio.to_thread(fetch_stats, url)
+            rss = (stats.get("process") or {}).get("rss_mb")
+            if isinstance(rss, (int, float)) and isinstance(stats.get("sessions"), int):
+                out.append((stats["sessions"], float(rss)))
+        await asyncio.sleep(every_s)
 
 
 def format_level(lv: dict[str, Any]) -> str:

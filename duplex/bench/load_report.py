@@ -151,6 +151,16 @@ def format_load_table(result: dict[str, Any]) -> str:
             "LLM tokens/s: "
             + ", ".join(f"N={lv['sessions']}: {lv['llm_tokens_per_s']}" for lv in result["levels"])
         )
+    opened = ", ".join(
+        f"N={lv['sessions']}: {lv['server']['rss_mb_open']:.0f}"
+        for lv in result["levels"]
+        if lv["server"].get("rss_mb_open") is not None
+    )
+    per = result.get("memory_per_session_mb")
+    lines.append(
+        f"memory per extra session: {'-' if per is None else f'{per:g}'} MB "
+        f"(server RSS MB with every caller connected: {opened or 'not sampled'})"
+    )
     lines.append(f"largest N within every target: {result['max_sessions_within_targets']}")
     return "\n".join(lines)
 

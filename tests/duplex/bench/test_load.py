@@ -11,6 +11,8 @@ from duplex.base.config import load_profile
 from duplex.bench.cli import tone_prompt
 from duplex.bench.common import BenchError, InProcessServer, Rx, answer_audio, answer_gaps, playback_gaps
 from duplex.bench.load import (
+    memory_per_session,
+    open_rss,
     parse_duration,
     parse_sessions,
     run_load,
@@ -146,12 +148,29 @@ async def test_load_levels_one_and_two_callers(tmp_path) -> None:
     assert two["stages"]["vad"]["jobs"] > one["stages"]["vad"]["jobs"] > 0
     assert all("batch_p50" in b and "batch_max" in b for b in two["batches"].values())
     assert two["server"]["cpu_s"] > 0 and two["server"]["rss_mb"] > 0 and two["server"]["threads"] > 0
+    # RSS sampled while every caller of a level was connected, and its slope per extra caller
+    assert one["server"]["rss_mb_open"] > 0 and two["server"]["rss_mb_open"] > 0
+    assert data["memory_per_session_mb"] == pytest.approx(
+        two["server"]["rss_mb_open"] - one["server"]["rss_mb_open"], abs=0.1
+    )
     # /stats counts the LLM's tokens: tokens/s per level, and no "not measured" note
     assert one["llm_tokens_per_s"] > 0 and two["llm_tokens_per_s"] > 0 and data["llm_tokens_note"] is None
     assert data["settings"]["playout_lead_ms"] == 120
     assert any(line.startswith("[caller 2]") for line in lines)
     table = format_load_table(result)
-    assert "refused" in table and "batch size" in table
+    assert "refused" in table and "batch size" in table and "memory per extra session" in table
+
+
+def test_memory_per_session_is_the_slope_of_rss_with_every_caller_connected() -> None:
+    samples = [(0, 900.0), (1, 1000.0), (2, 1040.0), (2, 1060.0), (2, 1300.0), (1, 1100.0)]
+    assert open_rss(samples, 2) == 1060.0  # the median of the samples with both callers on
+    assert open_rss(samples, 3) is None
+    levels = [
+        {"sessions": n, "server": {"rss_mb_open": r}} for n, r in ((1, 1000.0), (2, 1040.0), (4, 1120.0))
+    ]
+    assert memory_per_session(levels) == pytest.approx(40.0)
+    assert memory_per_session(levels[:1]) is None  # one N: no slope
+    assert memory_per_session([*levels[:1], {"sessions": 2, "server": {"rss_mb_open": None}}]) is None
 
 
 async def test_a_caller_refused_at_capacity_is_counted(tmp_path) -> None:
