@@ -134,7 +134,7 @@ eval-asr-panel: asr-voices
 train-asr: setup text-corpora asr-voices
 	$(PY) -m asr.training.train_moonshine_stream --make-pool runs/mstream-pool --n 4000
 	$(PY) -m asr.training.train_moonshine_stream --run runs/mstream --pool runs/mstream-pool --init asr/weights \
-	  --objective decoder --text-weight 0.5 --lr 1e-4 --minutes $${MINUTES:-60} --threads 2 $${DECAY:+--decay $$DECAY}
+	  --objective decoder --text-weight 0.5 --kl-where right --lr 1e-4 --minutes $${MINUTES:-60} --threads 2 $${DECAY:+--decay $$DECAY}
 
 # one slice of the FastConformer's recipe 2 (cpu-fastconformer, docs/asr.md); the same line resumes the run
 train-fastconformer: setup text-corpora asr-voices

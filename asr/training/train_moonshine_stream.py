@@ -200,25 +200,41 @@ def decoder_loss(
     tokens: list[int],
     temperature: float = 1.0,
     scored: list[bool] | None = None,
+    kl_where: str = "all",
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """What Moonshine's (frozen) decoder reads from the student's frames against what it reads from the teacher's,
     teacher-forced on a transcript (`tokens`, without BOS/EOS: the teacher's own greedy one, or the known text
     as the decoder spells it, asr/training/forced.py), averaged over its positions (the last predicts EOS):
     KL(teacher || student) of the next-token distributions, and the cross-entropy of the transcript's tokens
     from the student's frames (over the tokens `scored` marks, and EOS; all by default); with how often the
-    student's argmax is the teacher's."""
+    student's argmax is the teacher's, and how often the teacher's argmax is the transcript's next token.
+
+    `kl_where="right"` keeps the KL only at the positions where the teacher's argmax *is* the transcript's next
+    token (the divisor stays every position, so a kept position weighs what it did): where the teacher mishears
+    the known text, its distribution would pull the student towards the mistake while the cross-entropy pulls
+    towards the text, so there only the cross-entropy teaches."""
     from asr.moonshine import BOS, EOS
 
+    if kl_where not in ("all", "right"):
+        raise ValueError(f"kl_where must be 'all' or 'right', not {kl_where!r}")
     ids = torch.tensor([[BOS, *tokens]])
+    following = torch.tensor([*tokens, EOS])
     with torch.no_grad():
         target = F.log_softmax(decoder(ids, teacher)[0] / temperature, -1)
     logits = decoder(ids, student)[0]
     logp = F.log_softmax(logits / temperature, -1)
-    kl = (target.exp() * (target - logp)).sum(-1).mean() * temperature**2
+    per_position = (target.exp() * (target - logp)).sum(-1)
+    right = target.argmax(-1) == following
+    if kl_where == "right":
+        per_position = per_position * right
+    kl = per_position.mean() * temperature**2
     keep = torch.tensor([*(scored if scored is not None else [True] * len(tokens)), True])
-    ce = F.cross_entropy(logits[keep], torch.tensor([*tokens, EOS])[keep])
+    ce = F.cross_entropy(logits[keep], following[keep])
     agree = (logp.argmax(-1) == target.argmax(-1)).float().mean()
-    return kl, ce, {"kl": float(kl.detach()), "ce": float(ce.detach()), "agree": float(agree)}
+    return kl, ce, {
+        "kl": float(kl.detach()), "ce": float(ce.detach()), "agree": float(agree),
+        "teacher_right": float(right.float().mean()),
+    }  # fmt: skip
 
 
 def lr_at(cfg: dict, step: int, warmup: int) -> float:
@@ -269,7 +285,7 @@ def train(args: argparse.Namespace) -> None:
             "chunk_frames": args.chunk, "left_frames": args.left, "rank": args.rank, "alpha": args.alpha,
             "lr": args.lr, "accum": args.accum, "seed": args.seed, "pool": str(Path(args.pool).expanduser()),
             "objective": args.objective, "feat_weight": args.feat_weight, "temperature": args.temperature,
-            "text_weight": args.text_weight,
+            "text_weight": args.text_weight, "kl_where": args.kl_where,
         }  # fmt: skip
         cfg_path.write_text(json.dumps(cfg, indent=1))
     teacher = load_packaged(chunk_frames=None, causal_norm=False)
@@ -351,7 +367,7 @@ def train(args: argparse.Namespace) -> None:
     last_ckpt, t_log = time.time(), time.time()
     acc: dict[str, list[float]] = {"loss": [], "l1": [], "cos": []}
     if decoder is not None:
-        acc.update(kl=[], agree=[], ce=[], spelled=[])
+        acc.update(kl=[], agree=[], ce=[], spelled=[], teacher_right=[])
     shards, pool, texts, order = -1, [], [], np.zeros(0, np.int64)
     while time.time() < t_end and not stop["now"] and (args.steps <= 0 or step < args.steps):
         n_shards = len(list(Path(cfg["pool"]).glob("shard-*[0-9].npz")))
@@ -383,8 +399,9 @@ def train(args: argparse.Namespace) -> None:
                 # the text's words are scored, not the marks the decoder put between them
                 scored = [spelling.is_word(t) for t in tokens] if spelled and spelling else None
                 kl, ce, more = decoder_loss(
-                    decoder, frames, target, tokens, cfg.get("temperature", 1.0), scored
-                )
+                    decoder, frames, target, tokens, cfg.get("temperature", 1.0), scored,
+                    kl_where=cfg.get("kl_where", "all") if spelled else "all",
+                )  # fmt: skip
                 loss = kl + cfg.get("feat_weight", 0.0) * loss + (text_weight * ce if spelled else 0.0)
                 parts.update(more, spelled=float(spelled))
             (loss / cfg["accum"]).backward()
@@ -452,6 +469,8 @@ def export(args: argparse.Namespace) -> None:
     objective = ck["cfg"].get("objective", "features")
     text_weight = float(ck["cfg"].get("text_weight", 0.0))
     text = f" --text-weight {text_weight:g}" if text_weight else ""
+    if ck["cfg"].get("kl_where", "all") != "all":
+        text += f" --kl-where {ck['cfg']['kl_where']}"
     decay = ck["cfg"].get("decay")
     if decay:
         text += f" (then --decay {decay['steps']} --lr-end {decay['end']:g} from step {decay['start']})"
@@ -523,6 +542,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="with --objective decoder: also the cross-entropy of the pool's known text (as the decoder spells it) "
         "from the student's frames, x this weight; the KL is then teacher-forced on that text",
+    )
+    ap.add_argument(
+        "--kl-where",
+        choices=("all", "right"),
+        default="all",
+        help="with --text-weight: the KL at every position of the known text (all), or only where the teacher's "
+        "argmax is the text's next token (right): where the teacher mishears, only the text's cross-entropy teaches",
     )
     ap.add_argument("--panel", nargs="+", default=["natural-conversational", "heldout-synthetic"])
     args = ap.parse_args(argv)

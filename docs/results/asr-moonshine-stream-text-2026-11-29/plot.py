@@ -1,12 +1,14 @@
 """The three streamed-Moonshine runs on one curve: `mstream1` (feature distillation, steps 0-806), `mstream2`
-(through Moonshine's decoder, 806-1396) and `mstream3` (the decoder + the pool's known text, from 1396 on):
-the decoder's KL and panel WER by step.
+(through Moonshine's decoder, 806-1396), `mstream3` (the decoder + the pool's known text, 1396-2495) and
+`mstream4` (the KL only where the teacher hears the known text, from 2495 on): the decoder's KL and panel WER by
+step.
 
 (It replaces the first two runs' own scripts, which drew their folders' curve.png.)
 
-python docs/results/asr-moonshine-stream-text-2026-11-29/plot.py   # reads the metrics files beside it
+python docs/results/asr-moonshine-stream-text-2026-11-29/plot.py [--out curve.png]   # reads the metrics files
 """
 
+import argparse
 import json
 from pathlib import Path
 
@@ -20,12 +22,21 @@ RUNS = (
     (HERE.parent / "asr-moonshine-stream-2026-11-29" / "metrics.jsonl", "features: L1 + (1 - cos)"),
     (HERE.parent / "asr-moonshine-stream-decoder-2026-11-29" / "metrics.jsonl", "decoder: KL"),
     (HERE / "metrics.jsonl", "text: KL on the known text + 0.5 x its CE"),
+    (
+        HERE.parent / "asr-moonshine-stream-klright-2026-11-29" / "metrics.jsonl",
+        "kl-right: KL where the teacher is right",
+    ),
 )
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(HERE / "curve.png"))
+    out = Path(ap.parse_args().out)
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     for i, (src, label) in enumerate(RUNS):
+        if not src.exists():
+            continue
         rows = [json.loads(line) for line in open(src)]
         train = [r for r in rows if r["kind"] == "train"]
         panel = [r for r in rows if r["kind"] == "panel"]
@@ -52,19 +63,16 @@ def main() -> None:
     ax[1].axhline(12, ls="-.", c="red", alpha=0.5, label="target, held-out synthetic: 12 %")
     ax[1].set_title("panel WER (%), streamed at 480 ms (n = 60 per set)")
     for a in ax:
-        for x in (
-            806,
-            1396,
-            1995,
-        ):  # the objective changes (each run goes on from the one before's export); 1995: decay
+        # the objective changes (each run goes on from the one before's export); 1995, 2945: decay phases
+        for x in (806, 1396, 1995, 2495, 2945):
             a.axvline(x, c="k", lw=0.6, alpha=0.4)
     ax[1].set_xlabel("step")
     ax[1].legend(fontsize=6)
     for a in ax:
         a.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(HERE / "curve.png", dpi=110)
-    print(f"wrote {HERE / 'curve.png'}")
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
