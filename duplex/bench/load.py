@@ -153,13 +153,11 @@ def memory_per_session(levels: Sequence[dict[str, Any]]) -> float | None:
     two distinct N. An upper bound on what a session keeps: it also counts what the device's work for more
     sessions at once allocates (larger batches, more queued audio)."""
     pts = [(lv["sessions"], lv["server"].get("rss_mb_open")) for lv in levels]
-    pts = [(float(n), float(r)) for n, r in pts if r is not None]
+    pts = [(n, r) for n, r in pts if r is not None]
     if len({n for n, _ in pts}) < 2:
         return None
-    mn = sum(n for n, _ in pts) / len(pts)
-    mr = sum(r for _, r in pts) / len(pts)
-    slope = sum((n - mn) * (r - mr) for n, r in pts) / sum((n - mn) ** 2 for n, _ in pts)
-    return round(slope, 1)
+    n, rss = np.array(pts, dtype=float).T
+    return round(float(np.polyfit(n, rss, 1)[0]), 1)
 
 
 def llm_tokens_per_s(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> float | None:
