@@ -447,6 +447,23 @@ def _provenance(earlier: dict | None) -> dict | None:
     return out
 
 
+def pool_summary(pool: Path) -> dict | None:
+    """What a pool holds, for an export's provenance: utterances per seed (`--make-pool DIR --n N --seed S`)."""
+    if not pool.is_dir():
+        return None
+    per_seed: dict[str, int] = {}
+    for f in sorted(pool.glob("shard-*[0-9].npz")):
+        seed = f.name.split("-")[1]
+        with np.load(f) as z:
+            per_seed[seed] = per_seed.get(seed, 0) + int(z["lengths"].size)
+    return {
+        "utterances": sum(per_seed.values()),
+        "per_seed": per_seed,
+        "made_by": "python -m asr.training.train_moonshine_stream --make-pool DIR --n N --seed S "
+        "(the training voices and text of asr/training/speakers.py, clean; augmented online)",
+    }
+
+
 def export(args: argparse.Namespace) -> None:
     from safetensors.torch import save_file
 
@@ -483,6 +500,7 @@ def export(args: argparse.Namespace) -> None:
         "examples": ck["position"],
         "averaged_steps": averaged,
         "cfg": {k: v for k, v in ck["cfg"].items() if k != "earlier"},
+        "data": pool_summary(Path(ck["cfg"]["pool"])),  # None where the pool is gone (cfg keeps its path)
         "panel": (earlier.get("panel") or []) + [r for r in rows if r["kind"] == "panel"],
         "earlier": _provenance(earlier),
         "command": "python -m asr.training.train_moonshine_stream --run RUN --pool POOL --minutes M "
