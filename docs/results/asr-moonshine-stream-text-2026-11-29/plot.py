@@ -1,7 +1,7 @@
-"""The three streamed-Moonshine runs on one curve: `mstream1` (feature distillation, steps 0-806), `mstream2`
+"""The streamed-Moonshine runs on one curve: `mstream1` (feature distillation, steps 0-806), `mstream2`
 (through Moonshine's decoder, 806-1396), `mstream3` (the decoder + the pool's known text, 1396-2495) and
-`mstream4` (the KL only where the teacher hears the known text, from 2495 on): the decoder's KL and panel WER by
-step.
+`mstream4` (the KL only where the teacher hears the known text, 2495-3245) and `mstream5` (2,000 fresh
+utterances and the text's CE at weight 1.0, from 3245 on): the decoder's KL and panel WER by step.
 
 (It replaces the first two runs' own scripts, which drew their folders' curve.png.)
 
@@ -25,6 +25,10 @@ RUNS = (
     (
         HERE.parent / "asr-moonshine-stream-klright-2026-11-29" / "metrics.jsonl",
         "kl-right: KL where the teacher is right",
+    ),
+    (
+        HERE.parent / "asr-moonshine-stream-fresh-2026-11-29" / "metrics.jsonl",
+        "fresh: + 2,000 new utterances, CE x 1.0",
     ),
 )
 
@@ -63,8 +67,8 @@ def main() -> None:
     ax[1].axhline(12, ls="-.", c="red", alpha=0.5, label="target, held-out synthetic: 12 %")
     ax[1].set_title("panel WER (%), streamed at 480 ms (n = 60 per set)")
     for a in ax:
-        # the objective changes (each run goes on from the one before's export); 1995, 2945: decay phases
-        for x in (806, 1396, 1995, 2495, 2945):
+        # the objective changes (each run goes on from the one before's export); 1995, 2945, 3695: decay phases
+        for x in (806, 1396, 1995, 2495, 2945, 3245, 3695):
             a.axvline(x, c="k", lw=0.6, alpha=0.4)
     ax[1].set_xlabel("step")
     ax[1].legend(fontsize=6)
