@@ -117,12 +117,15 @@ def make_pool(out: Path, n: int, seed: int, shard: int = 250) -> None:
         os.replace(tmp, dst)
 
 
+def pool_shards(pool: Path) -> list[Path]:
+    """The pool's finished shards, in order (a shard being written is a `.tmp.npz` until it is renamed)."""
+    return sorted(pool.glob("shard-*[0-9].npz"))
+
+
 def load_pool(pool: Path) -> tuple[list[np.ndarray], list[str]]:
     """The pool's utterances and their texts (lower case, no punctuation)."""
     out, texts = [], []
-    for f in sorted(pool.glob("shard-*.npz")):
-        if f.name.endswith(".tmp.npz"):
-            continue
+    for f in pool_shards(pool):
         with np.load(f) as z:
             pcm, lengths = z["pcm"], z["lengths"]
             texts.extend(str(t) for t in z["texts"])
@@ -157,17 +160,27 @@ class _Hidden:
         return [self.h]
 
 
+def read_frames(moonshine, frames: np.ndarray, audio: np.ndarray) -> str:
+    """Moonshine's decoder's greedy transcript of given encoder frames (`audio` sets the length it may read)."""
+    from asr.moonshine import decode_tokens
+
+    saved = moonshine._encoder
+    moonshine._encoder = _Hidden(frames)
+    try:
+        return decode_tokens(moonshine.tokens, moonshine._greedy(audio))
+    finally:
+        moonshine._encoder = saved
+
+
 def panel_wer(
     enc: MoonshineStreamingEncoder, moonshine, sets: tuple[str, ...], n: int = 60
 ) -> dict[str, float]:
     """Moonshine's decoder on the encoder's offline (chunk-masked) frames, corpus WER per panel set."""
-    from asr.moonshine import decode_tokens
     from asr.training.panel import panel_set
     from asr.training.wer import wer
 
     enc.eval()
     out = {}
-    saved = moonshine._encoder
     try:
         for name in sets:
             utts = panel_set(name, n)
@@ -175,11 +188,9 @@ def panel_wer(
             for u in utts:
                 with torch.no_grad():
                     h = enc(torch.from_numpy(u.audio)[None]).numpy()
-                moonshine._encoder = _Hidden(h)
-                hyps.append(decode_tokens(moonshine.tokens, moonshine._greedy(u.audio)))
+                hyps.append(read_frames(moonshine, h, u.audio))
             out[name] = 100 * wer([u.text for u in utts], hyps)
     finally:
-        moonshine._encoder = saved
         enc.train()
     return out
 
@@ -370,7 +381,7 @@ def train(args: argparse.Namespace) -> None:
         acc.update(kl=[], agree=[], ce=[], spelled=[], teacher_right=[])
     shards, pool, texts, order = -1, [], [], np.zeros(0, np.int64)
     while time.time() < t_end and not stop["now"] and (args.steps <= 0 or step < args.steps):
-        n_shards = len(list(Path(cfg["pool"]).glob("shard-*[0-9].npz")))
+        n_shards = len(pool_shards(Path(cfg["pool"])))
         if n_shards != shards:  # a pool still being written grows between steps
             shards, (pool, texts) = n_shards, load_pool(Path(cfg["pool"]))
             if not pool:
@@ -452,7 +463,7 @@ def pool_summary(pool: Path) -> dict | None:
     if not pool.is_dir():
         return None
     per_seed: dict[str, int] = {}
-    for f in sorted(pool.glob("shard-*[0-9].npz")):
+    for f in pool_shards(pool):
         seed = f.name.split("-")[1]
         with np.load(f) as z:
             per_seed[seed] = per_seed.get(seed, 0) + int(z["lengths"].size)

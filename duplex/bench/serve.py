@@ -97,31 +97,38 @@ log = logging.getLogger("duplex.bench.serve")
 
 
 _SPELLING = {"colour": "color", "favourite": "favorite", "grey": "gray", "centre": "center", "metre": "meter"}
+#: a transcript with more than this share of the asked words wrong answers another question than the one asked
+MISHEARD = 1 / 3
+
+
+def share_misheard(text: str, said: str) -> float:
+    """Word errors of the transcript `said` per word of `text` (normalised words; British and American spellings
+    are the same words)."""
+    from asr.training.wer import normalize_text, word_errors
+
+    def spelled(t: str) -> str:
+        return " ".join(_SPELLING.get(w, w) for w in normalize_text(t).split())
+
+    return word_errors(spelled(text), spelled(said)) / max(len(normalize_text(text).split()), 1)
 
 
 def heard(turns: list[dict[str, Any]]) -> dict[str, Any]:
     """How well the server heard what was asked: each answered turn's final transcript against the text spoken
     (normalised words): how many word for word, and those with more than a third of their words wrong (an answer
     to another question than the one asked)."""
-    from asr.training.wer import normalize_text, word_errors
-
-    def spelled(text: str) -> str:  # British and American spellings are the same words
-        return " ".join(_SPELLING.get(w, w) for w in normalize_text(text).split())
-
     scored = []
     for t in turns:
         text, said = t.get("text"), t.get("transcript")
         if not t.get("ok") or not text or said is None:
             continue
-        words = max(len(normalize_text(text).split()), 1)
-        scored.append((t, word_errors(spelled(text), spelled(said)) / words))
+        scored.append((t, share_misheard(text, said)))
     return {
         "n": len(scored),
         "word_for_word": sum(1 for _, e in scored if e == 0),
         "misheard": [
             {"text": t["text"], "transcript": t["transcript"], "wer": round(e, 3)}
             for t, e in scored
-            if e > 1 / 3
+            if e > MISHEARD
         ],
     }
 

@@ -19,25 +19,15 @@ import numpy as np
 import torch
 
 from asr.moonshine import MoonshineModel, decode_tokens
-from asr.training.train_moonshine_stream import _Hidden
-from asr.training.wer import normalize_text, word_errors
+from asr.training.train_moonshine_stream import read_frames
 from duplex.base.config import load_profile
 from duplex.bench.common import INTERRUPTIONS, LONG_PROMPTS, QUESTIONS, HeldoutSynth, trim_speech
-from duplex.bench.serve import _SPELLING
+from duplex.bench.serve import MISHEARD, share_misheard
 from duplex.runtime.service import load_asr
 
 LEADS_S = (0.0, 0.08, 0.16, 0.24, 0.32, 0.40)
 PROMPTS = (*QUESTIONS, *LONG_PROMPTS, *INTERRUPTIONS)
 NAMES = ("streamed", "whole")
-
-
-def errors(text: str, heard: str) -> float:
-    """Word errors per word, as the bench scores them (British and American spellings are the same words)."""
-
-    def spelled(t: str) -> str:
-        return " ".join(_SPELLING.get(w, w) for w in normalize_text(t).split())
-
-    return word_errors(spelled(text), spelled(heard)) / max(len(normalize_text(text).split()), 1)
 
 
 def summary(rows: list[dict]) -> dict:
@@ -49,7 +39,7 @@ def summary(rows: list[dict]) -> dict:
     table = {
         name: {
             str(lead): {
-                "misheard": sum(r["wer"] > 1 / 3 for r in of(name, lead)),
+                "misheard": sum(r["wer"] > MISHEARD for r in of(name, lead)),
                 "word_for_word": sum(r["wer"] == 0 for r in of(name, lead)),
             }
             for lead in LEADS_S
@@ -57,7 +47,7 @@ def summary(rows: list[dict]) -> dict:
         for name in NAMES
     }
     ever = {
-        name: sorted({r["text"] for r in rows if r["asr"] == name and r["wer"] > 1 / 3}) for name in NAMES
+        name: sorted({r["text"] for r in rows if r["asr"] == name and r["wer"] > MISHEARD}) for name in NAMES
     }
     return {"table": table, "misheard_at_some_lead": ever}
 
@@ -66,17 +56,11 @@ def decode_all(profile: str) -> list[dict]:
     torch.set_num_threads(1)
     encoder = load_asr(load_profile(profile).component("asr")).encoder.eval()
     moonshine = MoonshineModel(threads=1)
-    graph = moonshine._encoder
     synth = HeldoutSynth(seed=0)
 
     def streamed(audio: np.ndarray) -> str:
         with torch.no_grad():
-            h = encoder(torch.from_numpy(audio)[None]).numpy()
-        moonshine._encoder = _Hidden(h)
-        try:
-            return decode_tokens(moonshine.tokens, moonshine._greedy(audio))
-        finally:
-            moonshine._encoder = graph
+            return read_frames(moonshine, encoder(torch.from_numpy(audio)[None]).numpy(), audio)
 
     def whole(audio: np.ndarray) -> str:
         return decode_tokens(moonshine.tokens, moonshine._greedy(audio))
@@ -90,7 +74,7 @@ def decode_all(profile: str) -> list[dict]:
             for name, read in zip(NAMES, (streamed, whole), strict=True):
                 hyp = read(audio)
                 rows.append({"text": text, "voice": synth.voice_of.get(text), "lead_s": lead, "asr": name,
-                             "heard": hyp, "wer": errors(text, hyp)})  # fmt: skip
+                             "heard": hyp, "wer": share_misheard(text, hyp)})  # fmt: skip
         print(text, [r["heard"] for r in rows[-2 * len(LEADS_S) :: 2]], flush=True)
     return rows
 
@@ -106,7 +90,7 @@ def main() -> None:
             res = json.load(f)
         res.pop("misheard_at_every_lead", None)
         for r in res["rows"]:
-            r["wer"] = errors(r["text"], r["heard"])
+            r["wer"] = share_misheard(r["text"], r["heard"])
         res.update(summary(res["rows"]))
     else:
         rows = decode_all(args.profile)
